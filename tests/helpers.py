@@ -1,0 +1,44 @@
+"""Tiny random models for numerical tests: built from a config with a fixed seed and saved as
+safetensors to a folder, so the real loading path runs."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "mistral": transformers.MistralConfig}[arch]
+    kw = dict(TINY_COMMON)
+    kw.update(overrides)
+    return cfg_cls(**kw)
+
+
+def save_tiny_model(path: str, config, seed: int = 0) -> str:
+    """Build a random-weight HF model from config (seeded), save it to path and return path."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF's init is tiny for some params; widen it so logits are not flat
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def hf_model(path: str):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]

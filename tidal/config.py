@@ -1,0 +1,59 @@
+"""EngineConfig: every engine knob, with vLLM's names, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    disable_log_stats: bool = True
+    # accepted for compatibility with vLLM scripts; they have no effect on CPU
+    trust_remote_code: bool = False
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 0
+    tokenizer_mode: str = "auto"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def positive(name):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "tensor_parallel_size", "pipeline_parallel_size"):
+            positive(name)
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
+            raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
+                             f"got {self.distributed_executor_backend!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)

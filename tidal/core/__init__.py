@@ -1,0 +1,1 @@
+"""Scheduling and memory bookkeeping: plain Python over integers, no torch."""

@@ -1,0 +1,131 @@
+"""KVCacheManager: each request's block table, prefix-cache lookup, allocation and freeing.
+
+A request owns an ordered list of blocks; token t lives in block t // block_size at offset
+t % block_size. A request takes a new block only when its last one is full.
+
+Prefix caching: the identity of a full block is a hash chained from its parent block's hash,
+its own token ids and any extra key that changes its KV (the request's cache salt). We use
+SHA-256: a collision would silently serve one prompt's KV for another, so a cryptographic hash
+(no practical collisions, not steerable by an adversary choosing prompts) is worth its cost,
+which is small next to a block's forward pass.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from tidal.core.block_pool import BlockPool, KVCacheBlock
+from tidal.request import Request
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_key: str | None = None) -> bytes:
+    h = hashlib.sha256()
+    h.update(parent_hash or b"\x00" * 32)
+    h.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        h.update(b"\x01salt:" + extra_key.encode())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_hashes: dict[str, list[bytes]] = {}
+        self.req_num_cached_blocks: dict[str, int] = {}
+        # prefix-cache statistics, in tokens
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- hashing ---------------------------------------------------------------------------------
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+        """Hashes of the request's first num_tokens // block_size full blocks (memoised)."""
+        hashes = self.req_to_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt))
+        return hashes
+
+    # -- lookup / allocation ---------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request's tokens. The last token is
+        always recomputed (its logits are needed), so a full hit stops one block short."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        max_hit_tokens = request.num_tokens - 1
+        hashes = self._block_hashes(request, max_hit_tokens)
+        hits = []
+        for block_hash in hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          new_computed_blocks: list[KVCacheBlock] = ()) -> int:
+        have = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        total_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size \
+            + num_new_tokens
+        return max(0, -(-total_tokens // self.block_size) - have)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+        """Give the request room for num_new_tokens more tokens (after any prefix-cache hits).
+        Returns the new blocks, or None (and changes nothing) if the pool cannot supply them."""
+        num_new_blocks = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks)
+        # Reviving an unreferenced cached block takes it out of the free queue too.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return None
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks:
+            self.pool.touch(list(new_computed_blocks))
+            blocks.extend(new_computed_blocks)
+            self.req_num_cached_blocks[request.request_id] = len(blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Blocks that will be full once this step's tokens are computed become shareable now:
+            # the attention backend writes all of a step's K/V before any of it is read.
+            num_full = min(request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                           + num_new_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, blocks, num_full)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
+        done = self.req_num_cached_blocks.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(request, num_full * self.block_size)
+        for i in range(done, num_full):
+            self.pool.cache_full_block(blocks[i], hashes[i])
+        self.req_num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return a finished, aborted or preempted request's blocks, last block first, so the tail
+        of a sequence is evicted before the prefix it shares with others."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+        self.req_num_cached_blocks.pop(request.request_id, None)
+        if request.is_finished:
+            self.req_to_hashes.pop(request.request_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage()

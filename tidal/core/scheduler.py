@@ -1,0 +1,224 @@
+"""Scheduler: iteration-level continuous batching with chunked prefill and preemption by recompute.
+
+Each step gets a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`). Running requests are served first, in admission order, so decodes keep flowing;
+then waiting requests are admitted first-come-first-served while budget, KV blocks (and state
+slots, for Mamba layers) last. A prompt longer than the remaining budget is split into chunks
+across steps. When a running request cannot get a block, the most recently admitted running request
+is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+No request is ever dropped.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.state_pool import StatePool
+from tidal.request import Request, RequestStatus
+from tidal.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    """What the model runner needs to compute one request's tokens this step (no Request object,
+    so a batch can be sent to worker processes)."""
+    request_id: str
+    token_ids: list[int]          # the tokens whose KV is computed this step
+    start_pos: int                # num_computed_tokens before this step
+    block_ids: list[int]          # the request's whole block table
+    sample: bool                  # the step reaches the last known token: sample the next one
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    all_token_ids: list[int] | None = None  # prompt + outputs, only when penalties need them
+    want_prompt_logprobs: bool = False
+    prompt_token_ids: list[int] | None = None  # only when prompt logprobs are wanted
+    state_slot: int | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # since the previous step: runner drops state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, state_pool: StatePool | None = None) -> None:
+        self.kv = kv_cache_manager
+        self.state_pool = state_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self._release(request)
+        self._finished_ids.append(request_id)
+        return request
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        if request.state_slot is not None:
+            self.state_pool.free(request.state_slot)
+            request.state_slot = None
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+
+        # 1. running requests, in admission order
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # 2. waiting requests, first come first served (not in a step that had to preempt)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            if self.state_pool is not None and self.state_pool.num_free_slots == 0:
+                break
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if self.state_pool is not None:
+                request.state_slot = self.state_pool.allocate(request.request_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        out = SchedulerOutput(
+            scheduled=[self._describe(r, n) for r, n in scheduled],
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted_ids=preempted,
+            finished_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        return out
+
+    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        params = request.sampling_params
+        want_plp = params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            start_pos=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=params,
+            all_token_ids=request.all_token_ids if params.has_penalties else None,
+            want_prompt_logprobs=want_plp,
+            prompt_token_ids=request.prompt_token_ids if want_plp else None,
+            state_slot=request.state_slot,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.warning("Preempted request %s (recompute of %d tokens); %d preemptions so far",
+                       request.request_id, request.num_tokens, self.num_preemptions)
+
+    # -- after the forward -----------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, check token-level stops and free finished
+        requests. Returns the requests that received a token this step."""
+        updated = []
+        now = time.time()
+        for sr in output.scheduled:
+            request = self.requests.get(sr.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            request.num_computed_tokens += len(sr.token_ids)
+            token = sampled.get(sr.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            request.last_token_time = now
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                del self.requests[request.request_id]
+                request.status = status
+                self._release(request)
+                self._finished_ids.append(request.request_id)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- stats -----------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,191 @@
+"""LLMEngine: the one loop. add_request / step / abort_request.
+
+    while engine.has_unfinished_requests():
+        outputs = engine.step()   # schedule -> execute -> update
+
+A request with n > 1 samples runs as n child requests that share the prompt's KV blocks through
+the prefix cache; the output processor gathers them back into one RequestOutput.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tidal.config import EngineConfig
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.scheduler import Scheduler
+from tidal.engine.output_processor import OutputProcessor
+from tidal.engine.stats import EngineStats
+from tidal.loader import load_model
+from tidal.outputs import RequestOutput
+from tidal.request import Request, RequestStatus
+from tidal.sampling_params import SamplingParams
+from tidal.worker.memory import plan_kv_cache
+from tidal.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        loaded = load_model(config.model, config.dtype)
+        self.model_name = config.served_model_name or loaded.name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.dtype = next(loaded.model.parameters()).dtype
+        hf = loaded.config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = self._max_model_len(hf)
+        config.max_model_len = self.max_model_len
+        self.eos_token_id = self._eos_token_id()
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
+        plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len,
+                             config.kv_cache_memory_bytes)
+        self.runner.allocate_kv_cache(plan.num_blocks)
+        self.kv_plan = plan
+        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self._next_id = 0
+        logger.info("Engine ready in %.1f s: %s, %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
+                    "tokens = %d tokens (%.1f requests of max_model_len)", time.perf_counter() - t0,
+                    self.model_name, str(self.dtype).removeprefix("torch."), self.max_model_len,
+                    plan.num_bytes / 2**20, plan.num_blocks, config.block_size, plan.num_tokens,
+                    plan.num_tokens / self.max_model_len)
+
+    # -- setup helpers ---------------------------------------------------------------------------
+    def _max_model_len(self, hf) -> int:
+        limit = getattr(hf, "max_position_embeddings", None) or 2048
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True):
+            limit = min(limit, window)  # attention over a sliding window is not implemented: stay inside it
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit} "
+                             "positions")
+        return self.config.max_model_len
+
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model_config, "eos_token_id", None)
+            if isinstance(eos, list):
+                eos = eos[0] if eos else None
+        return eos
+
+    # -- requests --------------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Validate a prompt and return (text, token ids). Raises ValueError before anything is queued."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token ids")
+            ids = self.tokenizer.encode(text) if text else []
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.process_prompt(prompt)
+        arrival_time = arrival_time or time.time()
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
+        for i, cid in enumerate(child_ids):
+            p = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            self.scheduler.add_request(Request(cid, ids, p, self.eos_token_id, arrival_time, cache_salt))
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        outs = []
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            for cid in self.output_processor.children_of(rid):
+                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+            out = self.output_processor.abort(rid)
+            if out is not None:
+                self.stats.record_finished(out)
+                outs.append(out)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    # -- the loop --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        result = self.runner.execute(batch)
+        updated = self.scheduler.update(batch, result.sampled)
+        return self._process_outputs(batch, result, updated)
+
+    def _process_outputs(self, batch, result, updated: list[Request]) -> list[RequestOutput]:
+        op = self.output_processor
+        for cid, entries in result.prompt_logprobs.items():
+            if cid in op.child_to_parent:
+                op.add_prompt_logprobs(cid, entries)
+        parents: dict[str, None] = {}  # ordered set
+        for request in updated:
+            parent, stop = op.process_token(request, result.logprobs.get(request.request_id))
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                op.finish_sample(request.request_id, request.finish_reason, request.stop_reason)
+            parents[parent] = None
+        outputs = []
+        for parent in parents:
+            out = op.make_output(parent)
+            if out is not None:
+                outputs.append(out)
+                if out.finished:
+                    self.stats.record_finished(out)
+        self.stats.record_step(batch, len(updated), self.scheduler, self.kv_manager)
+        return outputs
+
+    # -- misc ------------------------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        self.kv_manager.reset_prefix_cache()
+        return True

@@ -1,0 +1,166 @@
+"""OutputProcessor: turns sampled tokens into RequestOutputs — detokenization, stop strings,
+logprobs in vLLM's shape, streaming deltas, and the fan-in of a request's n parallel samples."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tidal.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tidal.request import Request
+from tidal.sampling_params import SamplingParams
+from tidal.tokenizer import IncrementalDetokenizer, check_stop_strings
+
+
+@dataclass
+class SampleState:
+    index: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # for delta outputs
+    sent_text: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+    hold_back: int = 0  # characters kept back while streaming, so a stop string is never split
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+        detok = (lambda: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                 if params.detokenize and self.tokenizer is not None else None)
+        samples = [SampleState(i, detok(), logprobs=[] if params.logprobs is not None else None,
+                               cumulative_logprob=0.0 if params.logprobs is not None else None)
+                   for i in range(params.n)]
+        state = RequestState(request_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time),
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                             hold_back=max((len(s) for s in params.stop), default=1) - 1)
+        self.states[request_id] = state
+        for i, cid in enumerate(child_ids):
+            self.child_to_parent[cid] = (request_id, i)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def children_of(self, request_id: str) -> list[str]:
+        return [c for c, (p, _) in self.child_to_parent.items() if p == request_id]
+
+    # -- per step --------------------------------------------------------------------------------
+    def add_prompt_logprobs(self, child_id: str, entries: list) -> None:
+        parent, index = self.child_to_parent[child_id]
+        state = self.states[parent]
+        if index != 0 or state.prompt_logprobs is None:
+            return
+        for pos, target, lp, rank, top_ids, top_vals in entries:
+            if pos != len(state.prompt_logprobs):  # already recorded (e.g. recomputed after preemption)
+                continue
+            d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
+            d.setdefault(target, Logprob(lp, rank, self._decode_one(target)))
+            state.prompt_logprobs.append(d)
+
+    def process_token(self, request: Request, logprobs: tuple | None) -> tuple[str, str | None]:
+        """Record the newest token of a child request. Returns (parent request id, the stop string
+        if one was hit)."""
+        parent, index = self.child_to_parent[request.request_id]
+        state = self.states[parent]
+        sample = state.samples[index]
+        token = request.output_token_ids[-1]
+        now = time.time()
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        state.num_cached_tokens = max(state.num_cached_tokens, request.num_cached_tokens)
+        sample.token_ids.append(token)
+        if logprobs is not None and sample.logprobs is not None:
+            top_ids, top_vals, lp, rank = logprobs
+            d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
+            d.setdefault(token, Logprob(lp, rank, self._decode_one(token)))
+            sample.logprobs.append(d)
+            sample.cumulative_logprob += lp
+        hit = None
+        if sample.detok is not None:
+            piece = sample.detok.add(token)
+            sample.text += piece
+            stop = check_stop_strings(sample.text, len(piece), state.params.stop,
+                                      state.params.include_stop_str_in_output)
+            if stop is not None and request.num_output_tokens >= state.params.min_tokens:
+                hit, cut = stop
+                sample.text = sample.text[:cut]
+        return parent, hit
+
+    def finish_sample(self, child_id: str, finish_reason: str, stop_reason=None) -> None:
+        parent, index = self.child_to_parent.pop(child_id)
+        sample = self.states[parent].samples[index]
+        sample.finish_reason = finish_reason
+        sample.stop_reason = stop_reason
+
+    def make_output(self, request_id: str) -> RequestOutput | None:
+        """The RequestOutput to hand out now (None when nothing new is to be said in this mode)."""
+        state = self.states[request_id]
+        finished = state.finished
+        kind = state.params.output_kind
+        if kind == "final" and not finished:
+            return None
+        outs = []
+        for s in state.samples:
+            text_end = len(s.text) if s.finish_reason is not None else max(len(s.text) - state.hold_back, s.sent_text)
+            if kind == "delta":
+                text, tokens = s.text[s.sent_text:text_end], s.token_ids[s.sent_tokens:]
+                lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+                if not tokens and s.finish_reason is None and not text:
+                    continue
+            else:
+                text, tokens, lps = s.text[:text_end], list(s.token_ids), s.logprobs
+            s.sent_text, s.sent_tokens = text_end, len(s.token_ids)
+            outs.append(CompletionOutput(s.index, text, tokens, s.cumulative_logprob,
+                                         list(lps) if lps is not None else None, s.finish_reason, s.stop_reason))
+        if finished:
+            state.metrics.finished_time = time.time()
+            del self.states[request_id]
+        if not outs and not finished:
+            return None
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids,
+                             state.prompt_logprobs, outs, finished, state.metrics, state.num_cached_tokens)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        for c in self.children_of(request_id):
+            del self.child_to_parent[c]
+        return self.make_output(request_id)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _logprob_dict(self, ids, vals, ranks) -> dict[int, Logprob]:
+        return {i: Logprob(v, r, self._decode_one(i)) for i, v, r in zip(ids, vals, ranks)}

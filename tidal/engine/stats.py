@@ -1,0 +1,59 @@
+"""Engine statistics: counters and latency samples for the stats log and the /metrics page."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    finished_reasons: dict = field(default_factory=dict)
+    # latency samples since the last drain (seconds)
+    ttft: list = field(default_factory=list)
+    tpot: list = field(default_factory=list)
+    e2e: list = field(default_factory=list)
+    # KV utilization: slots holding real tokens / allocated slots, summed over steps
+    kv_util_sum: float = 0.0
+    kv_util_steps: int = 0
+    started: float = field(default_factory=time.time)
+
+    def record_step(self, batch, num_sampled: int, scheduler, kv_manager) -> None:
+        self.num_steps += 1
+        self.num_generation_tokens += num_sampled
+        self.num_prompt_tokens += batch.num_batched_tokens - sum(
+            1 for s in batch.scheduled if s.start_pos >= s.num_prompt_tokens)
+        self.num_running, self.num_waiting = scheduler.num_running, scheduler.num_waiting
+        self.kv_usage = kv_manager.usage
+        self.num_preemptions = scheduler.num_preemptions
+        self.prefix_queries, self.prefix_hits = kv_manager.prefix_queries, kv_manager.prefix_hits
+        used_blocks = kv_manager.pool.num_used_blocks
+        if used_blocks:
+            tokens = sum(r.num_computed_tokens for r in scheduler.running)
+            self.kv_util_sum += min(1.0, tokens / (used_blocks * kv_manager.block_size))
+            self.kv_util_steps += 1
+
+    def record_finished(self, out) -> None:
+        for o in out.outputs:
+            self.finished_reasons[o.finish_reason] = self.finished_reasons.get(o.finish_reason, 0) + 1
+        m = out.metrics
+        if m is None or m.first_token_time is None:
+            return
+        self.ttft.append(m.first_token_time - m.arrival_time)
+        end = m.finished_time or m.last_token_time
+        self.e2e.append(end - m.arrival_time)
+        n = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
+        if n > 1:
+            self.tpot.append((m.last_token_time - m.first_token_time) / (n - 1))
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.kv_util_sum / self.kv_util_steps if self.kv_util_steps else 0.0

@@ -1,0 +1,94 @@
+"""Attention: the paged-attention interface a model calls. It writes this step's K/V into the
+layer's KV cache at `slot_mapping`, then attends through block tables. The torch backend below runs
+on CPU (and anywhere torch does); a GPU backend implements the same two functions.
+
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.forward_context import get_forward_context
+from tidal.layers.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D]."""
+        meta: AttentionMetadata = get_forward_context()
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            nd = meta.num_decodes
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                        meta.decode_seq_lens, meta.decode_max_seq_len, self.scale)
+        for q_start, q_len, ctx_len, block_ids in meta.prefills:
+            qs = q[q_start:q_start + q_len]
+            if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache
+                ks, vs = k[q_start:q_start + q_len], v[q_start:q_start + q_len]
+            else:
+                ks, vs = gather_kv(k_cache, v_cache, block_ids, ctx_len + q_len)
+            out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, self.scale)
+        return out.view(T, -1)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hk, D]
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
+
+
+def gather_kv(k_cache, v_cache, block_ids: torch.Tensor, seq_len: int):
+    """A request's first seq_len K/V rows, [seq_len, Hk, D] each."""
+    ks = k_cache[block_ids].flatten(0, 1)[:seq_len]
+    vs = v_cache[block_ids].flatten(0, 1)[:seq_len]
+    return ks, vs
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of q [Lq, Hq, D] over k/v [ctx_len + Lq, Hk, D]; query i sits at position
+    ctx_len + i (bottom-right aligned causal mask)."""
+    Lq, Lk = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
+    gqa = qh.shape[0] != kh.shape[0]
+    if ctx_len == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=ctx_len)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     max_seq_len: int, scale: float) -> torch.Tensor:
+    """One query token per request: q [B, Hq, D] over each request's cached K/V."""
+    B, Hq, D = q.shape
+    Hk = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    nb = -(-max_seq_len // block_size)
+    bt = block_tables[:, :nb]
+    ks = k_cache[bt].view(B, nb * block_size, Hk, D).transpose(1, 2)  # [B, Hk, L, D]
+    vs = v_cache[bt].view(B, nb * block_size, Hk, D).transpose(1, 2)
+    L = nb * block_size
+    mask = torch.arange(L).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+    qh = q.view(B, Hk, Hq // Hk, D)  # the query heads of each KV group act as query rows
+    o = F.scaled_dot_product_attention(qh, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(B, Hq, D)

@@ -1,0 +1,31 @@
+"""AttentionMetadata: how one step's flat token batch maps onto requests and KV-cache slots.
+
+The model runner orders each batch decodes first (one query token each), then the requests that
+compute several tokens (prefill chunks). Token i of the batch writes its K/V at flat slot
+slot_mapping[i] = block_id * block_size + offset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor          # [num_tokens] int64
+    block_size: int
+    # decodes: the first num_decodes tokens, one per request
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded)
+    decode_seq_lens: torch.Tensor | None      # [num_decodes] int64, including the new token
+    decode_max_seq_len: int
+    # prefills: per request (query_start, query_len, context_len, block_ids [n] int64)
+    prefills: list[tuple[int, int, int, torch.Tensor]]
+    # per request in batch order (decodes then prefills): query start offsets [num_reqs + 1]
+    query_start_loc: list[int]
+    # state slots per request in batch order (models with Mamba layers); -1 for none
+    state_slots: torch.Tensor | None = None
+    # per request: does this chunk start at position 0 (fresh recurrent state)?
+    has_initial_state: torch.Tensor | None = None

@@ -1,0 +1,49 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.distributed import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
+                               tensor_model_parallel_all_reduce)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32) -> None:
+        super().__init__()
+        tp, rank = get_tp_size(), get_tp_rank()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp)
+        self.vocab_start = rank * self.shard_size
+        self.vocab_end = min(vocab_size, self.vocab_start + self.shard_size)
+        self.tp_size = tp
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        rows = loaded[self.vocab_start:self.vocab_end]
+        param.data[:rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        out = F.embedding(local, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32, bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size, dtype)
+        self.bias = None
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden] -> [num_tokens, vocab_size] logits, gathered across ranks."""
+        logits = F.linear(hidden, self.weight)
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[..., :self.vocab_size]

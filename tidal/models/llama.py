@@ -1,0 +1,124 @@
+"""The Llama family: Llama 2/3 (with llama3 RoPE scaling), Mistral, Qwen2 (QKV bias), SmolLM (tied
+embeddings), with GQA/MQA. Module names match Hugging Face checkpoints, with q/k/v and gate/up
+fused; `load_weights` routes each checkpoint tensor to its slice of the fused parameter."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tidal.layers.activation import SiluAndMul
+from tidal.layers.attention import Attention
+from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tidal.layers.norm import RMSNorm
+from tidal.layers.rotary import RotaryEmbedding
+from tidal.models.utils import load_stacked_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, dtype, quant=None) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        bias = getattr(config, "attention_bias", getattr(config, "model_type", "") == "qwen2")
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=bias, dtype=dtype,
+                                          quant_method=quant)
+        o_bias = getattr(config, "model_type", "") != "qwen2" and getattr(config, "attention_bias", False)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias, dtype=dtype,
+                                        quant_method=quant)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        base = getattr(config, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
+        scaling = getattr(config, "rope_scaling", None) or (rope_params if rope_params.get("rope_type", "default")
+                                                            != "default" else None)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, base, scaling)
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = x.shape[0]
+        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim),
+                           k.view(T, self.num_kv_heads, self.head_dim))
+        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, dtype, quant=None) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], dtype=dtype,
+                                                       quant_method=quant)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, dtype=dtype, quant_method=quant)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, dtype, quant=None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, dtype, quant)
+        self.mlp = LlamaMLP(config, dtype, quant)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, dtype, quant=None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, quant)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    stacked_params = [  # (fused parameter, checkpoint name, shard)
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config, dtype=torch.float32, quant=None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype, quant)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        return load_stacked_weights(self, weights, self.stacked_params, skip)

@@ -1,0 +1,142 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs one forward over all of its tokens
+(prefill chunks and decodes together, no padding), and samples.
+
+Batch layout: requests computing one token (decodes) first, then multi-token chunks; input_ids,
+positions and slot_mapping are flat [num_tokens] tensors. Logits are computed only at the rows
+that sample (and at prompt rows of requests that asked for prompt logprobs).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
+from tidal.forward_context import set_forward_context
+from tidal.layers.attention import Attention, AttentionMetadata
+from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    # request id -> (top ids, top logprobs, sampled logprob, sampled rank)
+    logprobs: dict[str, tuple] = field(default_factory=dict)
+    # request id -> [(position, target id, logprob, rank, top ids, top logprobs), ...]
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, block_size: int, seed: int = 0,
+                 eos_token_id: int | None = None) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator().manual_seed(seed)
+        self.num_blocks = 0
+
+    # -- KV cache --------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        for a in self.attn_layers:
+            # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+            a.kv_cache = torch.zeros(2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                                     dtype=self.dtype)
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        for rid in so.finished_ids:
+            self.generators.pop(rid, None)
+        out = RunnerOutput()
+        if not so.scheduled:
+            return out
+        reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first (stable)
+        meta, input_ids, positions = self._prepare(reqs)
+        with set_forward_context(meta):
+            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+
+        # rows whose logits we need: the last token of each sampling request, then prompt rows
+        sample_reqs = [r for r in reqs if r.sample]
+        starts = meta.query_start_loc
+        rows = [starts[i] + len(r.token_ids) - 1 for i, r in enumerate(reqs) if r.sample]
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[rows]).float()
+            result = sample(logits, [self._sampling_row(r) for r in sample_reqs], self.default_generator)
+            for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
+                out.sampled[r.request_id] = tok
+                if lp is not None:
+                    out.logprobs[r.request_id] = lp
+        for i, r in enumerate(reqs):
+            if r.want_prompt_logprobs:
+                out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, starts[i])
+        return out
+
+    def _prepare(self, reqs: list[ScheduledRequest]):
+        bs = self.block_size
+        q_lens = [len(r.token_ids) for r in reqs]
+        query_start_loc = [0]
+        for n in q_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        num_tokens = query_start_loc[-1]
+        input_ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.long)
+        q_lens_t = torch.tensor(q_lens)
+        req_idx = torch.repeat_interleave(torch.arange(len(reqs)), q_lens_t)
+        offsets = torch.arange(num_tokens) - torch.tensor(query_start_loc[:-1])[req_idx]
+        positions = torch.tensor([r.start_pos for r in reqs])[req_idx] + offsets
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs],
+                                    dtype=torch.long)
+        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+
+        num_decodes = sum(1 for n in q_lens if n == 1)
+        seq_lens = [r.start_pos + n for r, n in zip(reqs, q_lens)]
+        prefills = [(query_start_loc[i], q_lens[i], reqs[i].start_pos,
+                     block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(num_decodes, len(reqs))]
+        slots = [r.state_slot for r in reqs]
+        meta = AttentionMetadata(
+            num_tokens=num_tokens, slot_mapping=slot_mapping, block_size=bs, num_decodes=num_decodes,
+            decode_block_tables=block_tables[:num_decodes] if num_decodes else None,
+            decode_seq_lens=torch.tensor(seq_lens[:num_decodes]) if num_decodes else None,
+            decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
+            prefills=prefills, query_start_loc=query_start_loc,
+            state_slots=(torch.tensor(slots, dtype=torch.long) if any(s is not None for s in slots) else None),
+            has_initial_state=torch.tensor([r.start_pos > 0 for r in reqs]),
+        )
+        return meta, input_ids, positions
+
+    def _sampling_row(self, r: ScheduledRequest) -> SamplingRow:
+        p = r.sampling_params
+        gen = None
+        if p.seed is not None and not p.greedy:
+            gen = self.generators.get(r.request_id)
+            if gen is None:
+                gen = self.generators[r.request_id] = torch.Generator().manual_seed(p.seed)
+        num_tokens = r.start_pos + len(r.token_ids)
+        stop_ids = list(p.stop_token_ids)
+        if not p.ignore_eos and self.eos_token_id is not None:
+            stop_ids.append(self.eos_token_id)
+        return SamplingRow(p, gen, r.all_token_ids, r.num_prompt_tokens, num_tokens - r.num_prompt_tokens,
+                           stop_ids if p.min_tokens else [])
+
+    def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor, q_start: int) -> list:
+        """Logprobs of the prompt tokens this chunk predicts: position p predicts token p + 1."""
+        positions = [p for p in range(r.start_pos, r.start_pos + len(r.token_ids)) if p + 1 < r.num_prompt_tokens]
+        if not positions:
+            return []
+        rows = [q_start + p - r.start_pos for p in positions]
+        targets = [r.prompt_token_ids[p + 1] for p in positions]
+        logits = self.model.compute_logits(hidden[rows]).float()
+        lps, ranks, top_ids, top_vals = prompt_logprobs(logits, torch.tensor(targets), r.sampling_params.prompt_logprobs)
+        return [(p + 1, t, lp, rk, ti, tv) for p, t, lp, rk, ti, tv in
+                zip(positions, targets, lps, ranks, top_ids, top_vals)]
