@@ -1,0 +1,42 @@
+"""`tidal`: the command line. Each subcommand lives in its own module and registers itself here.
+
+    tidal generate "prompt"          stream a completion to the terminal
+    tidal chat                       interactive multi-turn chat on the model's chat template
+    tidal serve [MODEL]              OpenAI-compatible server
+    tidal bench throughput|serve     benchmarks
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module with `register(subparsers)`; each module adds its parser and sets `func`
+SUBCOMMANDS = [
+    "tidal.entrypoints.cli_generate",   # generate, chat
+    "tidal.entrypoints.openai.cli",     # serve
+    "tidal.benchmarks.cli",             # bench throughput | serve
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidal", description="Tidal: LLM inference and serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Engine flags for the CLI and the server, with vLLM's names, mapped onto EngineConfig."""
+from __future__ import annotations
+
+import argparse
+
+from tidal.config import EngineConfig
+
+
+def _bool_flag(parser, name: str, default: bool, help: str) -> None:
+    parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None,
+                   help="model directory (HF format) or .gguf file; default: SmolLM2-135M-Instruct")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (auto: the checkpoint's; bfloat16 for GGUF and fp16)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="maximum requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (default: max(2048, max-num-seqs))")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache size in bytes (default: min(4 GiB, half the free memory))")
+    _bool_flag(g, "enable-prefix-caching", True, "reuse the KV of repeated prompt prefixes")
+    _bool_flag(g, "enable-chunked-prefill", True, "split long prompts across steps")
+    g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
+    g.add_argument("--enforce-eager", action="store_true", help="never compile the model")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None)
+    g.add_argument("--quantization", "-q", default=None, help="weight quantization method")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype")
+    g.add_argument("--served-model-name", default=None, help="model name in the API (default: derived)")
+    _bool_flag(g, "disable-log-stats", False, "do not log periodic engine stats")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    model = model or getattr(args, "model_flag", None)
+    return EngineConfig(
+        model=model, tokenizer=args.tokenizer, served_model_name=args.served_model_name, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, disable_log_stats=args.disable_log_stats,
+    )
