@@ -11,8 +11,12 @@ import os
 import re
 from collections.abc import Iterator
 
+import logging
+
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 _NAME_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,23 +50,93 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value
+
+
 def load_gguf_config(path: str):
+    """A transformers config built from the GGUF metadata (reading only the header fields)."""
+    import transformers
     from gguf import GGUFReader
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {model_type!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
-    config.architectures = [_ARCHITECTURES[model_type]]
-    # A GGUF file without output.weight shares the embedding matrix with the LM head.
-    names = {t.name for t in GGUFReader(path).tensors}
-    config.tie_word_embeddings = "output.weight" not in names
+
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
+    names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kw = dict(
+        architectures=[_ARCHITECTURES[arch]],
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", int(embd.shape[-1]))),
+        hidden_size=int(_field(reader, f"{arch}.embedding_length")),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        # A GGUF file without output.weight shares the embedding matrix with the LM head.
+        tie_word_embeddings="output.weight" not in names,
+    )
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[arch]
+    config = cls(**kw)
+    config.rope_theta = kw["rope_theta"]
     return config
 
 
 def load_gguf_tokenizer(path: str):
+    """The tokenizer (with its chat template) stored in the GGUF file, via transformers' converter."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+def convert_gguf(path: str, out_dir: str) -> str:
+    """Write a GGUF model as a Hugging Face folder (config.json, fp32 model.safetensors, tokenizer
+    files with the chat template). Written to a temporary folder and renamed, so concurrent loaders
+    never see half a conversion."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    config = load_gguf_config(path)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".convert-")
+    try:
+        config.save_pretrained(tmp)
+        load_gguf_tokenizer(path).save_pretrained(tmp)
+        tensors = {name: w.contiguous() for name, w in iterate_gguf_weights(path, config, torch.float32)}
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def cached_conversion(path: str) -> str:
+    """The converted folder of a GGUF file, converting it on first use (keyed by name, size, mtime)."""
+    st = os.stat(path)
+    root = os.environ.get("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal"))
+    name = f"{os.path.basename(path).removesuffix('.gguf')}-{st.st_size}-{int(st.st_mtime)}"
+    out = os.path.join(root, "gguf", name)
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        logger.info("Converting %s to %s (once; later loads read the conversion)", path, out)
+        convert_gguf(path, out)
+    return out
 
 
 def iterate_gguf_weights(path: str, config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,7 +149,7 @@ def iterate_gguf_weights(path: str, config, dtype: torch.dtype) -> Iterator[tupl
     for t in reader.tensors:
         name = hf_name(t.name)
         array = dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's ne order
-        w = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        w = torch.from_numpy(np.array(array, dtype=np.float32))
         if ".q_proj." in name:
             w = unpermute_qk(w, heads)
         elif ".k_proj." in name:

@@ -57,8 +57,6 @@ class LoadedModel:
 
 
 def load_config(path: str):
-    if path.endswith(".gguf"):
-        return gguf_loader.load_gguf_config(path)
     from transformers import AutoConfig
     with open(os.path.join(path, "config.json")) as f:
         archs = json.load(f).get("architectures") or []
@@ -73,8 +71,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def load_tokenizer(path: str):
     """The model's tokenizer, or None for a directory without tokenizer files (token-id prompts only)."""
-    if path.endswith(".gguf"):
-        return gguf_loader.load_gguf_tokenizer(path)
     if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         logger.warning("%s has no tokenizer files: prompts must be token ids and outputs are not detokenized",
                        path)
@@ -112,19 +108,22 @@ def resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
                quant_method=None) -> LoadedModel:
     path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        path = gguf_loader.cached_conversion(path)
+        if dtype == "auto":
+            dtype = "bfloat16"
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device("cpu"):
         net = model_cls(config, dtype=torch_dtype, quant=quant_method) if quant_method else \
             model_cls(config, dtype=torch_dtype)
-    weights = (gguf_loader.iterate_gguf_weights(path, config, torch_dtype) if path.endswith(".gguf")
-               else iterate_safetensors(path, torch_dtype))
+    weights = iterate_safetensors(path, torch_dtype)
     net.load_weights(weights)
     net.eval()
     tokenizer = load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
-    name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(path))
+    name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     logger.info("Loaded %s (%s) in %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
                 weight_bytes / 1e6)
     return LoadedModel(net, config, tokenizer, path, name, weight_bytes)
