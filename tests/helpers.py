@@ -42,3 +42,40 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+# -- engine-side helpers (shared by the correctness, sampling and bad-input tests) ---------------------
+TEST_KV_CACHE_BYTES = 16 * 2**20  # the default KV budget is 4 GiB: far too slow to allocate per test
+
+
+def tiny_llm(path: str, **kwargs):
+    """An LLM on a tiny model folder, fp32, with a small KV cache unless told otherwise."""
+    from tidal import LLM
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("kv_cache_memory_bytes", TEST_KV_CACHE_BYTES)
+    return LLM(path, **kwargs)
+
+
+def hf_prompt_logprobs(hf, ids: list[int]) -> list[float]:
+    """transformers' full-sequence log-probability of each prompt token after the first."""
+    with torch.no_grad():
+        lp = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    return [lp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+def hf_greedy(hf, ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
+    """transformers' greedy continuation (exactly max_new_tokens long when ignore_eos)."""
+    kw = dict(min_new_tokens=max_new_tokens) if ignore_eos else {}
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def assert_engine_idle(engine) -> None:
+    """No request left anywhere and every KV block back in the pool."""
+    assert not engine.has_unfinished_requests()
+    assert not engine.output_processor.states, list(engine.output_processor.states)
+    pool = engine.kv_manager.pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks
