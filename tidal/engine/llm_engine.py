@@ -22,6 +22,7 @@ from tidal.loader import load_model
 from tidal.outputs import RequestOutput
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
+from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
 from tidal.worker.memory import plan_kv_cache
 from tidal.worker.model_runner import ModelRunner
 
@@ -34,18 +35,23 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.perf_counter()
-        loaded = load_model(config.model, config.dtype)
+        workers = uses_workers(config)  # tensor/pipeline parallel: the weights live in worker processes
+        loaded = load_model_meta(config.model, config.dtype) if workers else load_model(config.model, config.dtype)
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.dtype = next(loaded.model.parameters()).dtype
+        self.dtype = loaded.dtype if workers else next(loaded.model.parameters()).dtype
         hf = loaded.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = self._max_model_len(hf)
         config.max_model_len = self.max_model_len
         self.eos_token_id = self._eos_token_id()
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
+        if workers:  # same interface as a ModelRunner: execute / kv_bytes_per_token / allocate_kv_cache
+            self.runner = self.executor = create_executor(config, self.eos_token_id)
+        else:
+            self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
+            self.executor = UniProcExecutor(self.runner)
         plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len,
                              config.kv_cache_memory_bytes)
         self.runner.allocate_kv_cache(plan.num_blocks)
@@ -189,3 +195,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         self.kv_manager.reset_prefix_cache()
         return True
+
+    def check_health(self) -> None:
+        """Raises WorkerError if a worker process has died or stopped answering."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop worker processes (also done when the engine is garbage-collected or at exit)."""
+        self.executor.shutdown()

@@ -4,10 +4,13 @@ fused; `load_weights` routes each checkpoint tensor to its slice of the fused pa
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 
+from tidal.distributed import (get_pp_indices, get_pp_rank, get_pp_size, is_first_pp_stage, is_last_pp_stage,
+                               pp_recv_hidden, pp_send_hidden)
 from tidal.layers.activation import SiluAndMul
 from tidal.layers.attention import Attention
 from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -83,17 +86,31 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """With pipeline parallelism a stage builds only its layers [start_layer, end_layer) (the others
+    are empty placeholders, so parameter names still match the checkpoint); the embedding lives on
+    the first stage, the final norm on the last, and hidden states + residual travel between stages."""
+
     def __init__(self, config, dtype, quant=None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, get_pp_rank(), get_pp_size())
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+                             if is_first_pp_stage() else None)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, quant)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+                                    if self.start_layer <= i < self.end_layer else nn.Identity()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if is_last_pp_stage() else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype)
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:  # not the last stage: hand over to the next one
+            pp_send_hidden(hidden, residual)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -108,9 +125,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, quant)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype) if is_last_pp_stage() else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        # tied, but split across stages: the last stage keeps its own copy of the embedding as LM head
+        self.tied = self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None
+        if self.tied:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -120,5 +139,24 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tied else ())
+        if get_pp_size() > 1:
+            weights = self._stage_weights(weights)
         return load_stacked_weights(self, weights, self.stacked_params, skip)
+
+    def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """Only this pipeline stage's checkpoint tensors (other stages' are never copied)."""
+        m = self.model
+        for name, tensor in weights:
+            if name.startswith("model.layers."):
+                if not m.start_layer <= int(name.split(".")[2]) < m.end_layer:
+                    continue
+            elif name.startswith("model.embed_tokens."):
+                if self.lm_head is not None and self.tie_word_embeddings and not self.tied:
+                    yield "lm_head.weight", tensor
+                if m.embed_tokens is None:
+                    continue
+            elif (name.startswith("model.norm.") and m.norm is None) or \
+                    (name.startswith("lm_head.") and self.lm_head is None):
+                continue
+            yield name, tensor

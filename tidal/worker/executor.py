@@ -1,0 +1,386 @@
+"""Executors: where the model runs. The engine hands each step's SchedulerOutput to `execute` and
+gets the sampled tokens back; it never needs to know how many processes sit behind it.
+
+    UniProcExecutor     the ModelRunner in the engine's own process (tensor = pipeline = 1)
+    MultiprocExecutor   one process per rank, started here (spawn), joined by torch.distributed gloo
+                        over 127.0.0.1; each step's batch is pickled once and written to every
+                        worker's pipe, and the sampled tokens come back from the last stage's rank 0
+    RayExecutor         the same workers as Ray actors, placed on an existing Ray cluster
+
+Failure handling: the driver waits on the workers' pipes and their process sentinels together, so a
+worker that dies is reported at once, a worker that raises sends its traceback, and one that hangs
+is reported after `TIDAL_EXECUTE_TIMEOUT_S` (default 60 s). After a failure the executor refuses
+further work. Worker processes are reaped when the executor is shut down, garbage-collected or the
+interpreter exits, and they exit by themselves when the driver's end of their pipe closes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import time
+import weakref
+from dataclasses import dataclass
+
+from tidal.config import EngineConfig
+from tidal.worker.model_runner import ModelRunner, RunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_TIMEOUT_S = 60.0
+
+
+class WorkerError(RuntimeError):
+    """A worker process died, raised, or stopped answering."""
+
+
+def execute_timeout_s() -> float:
+    return float(os.environ.get("TIDAL_EXECUTE_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+
+
+def uses_workers(config: EngineConfig) -> bool:
+    """Whether the model runs in worker processes (mp/ray) rather than in the engine's process."""
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    backend = config.distributed_executor_backend
+    if backend == "uni" and world > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one process, but tensor_parallel_size x "
+                         f"pipeline_parallel_size = {world}: use 'mp' or 'ray'")
+    return world > 1 or backend in ("mp", "ray")
+
+
+@dataclass
+class ModelMeta:
+    """What the engine needs from a model whose weights live in the workers."""
+    config: object
+    tokenizer: object
+    path: str
+    name: str
+    dtype: object
+
+
+def load_model_meta(model: str | None, dtype: str = "auto") -> ModelMeta:
+    """Config, tokenizer and dtype without building the model: the driver of a parallel engine holds
+    no weights."""
+    from tidal.loader.loader import (DEFAULT_MODEL_NAME, load_config, load_tokenizer, resolve_dtype,
+                                     resolve_model_path)
+    from tidal.models.registry import resolve_model_class
+    path = resolve_model_path(model)
+    config = load_config(path)
+    resolve_model_class(config)  # refuse an unsupported architecture here, before any worker starts
+    name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(path))
+    return ModelMeta(config, load_tokenizer(path), path, name, resolve_dtype(dtype, config))
+
+
+def create_executor(config: EngineConfig, eos_token_id: int | None):
+    backend = config.distributed_executor_backend or "mp"
+    if backend == "ray":
+        return RayExecutor(config, eos_token_id)
+    return MultiprocExecutor(config, eos_token_id)
+
+
+class Executor:
+    """The interface the engine calls."""
+    worker_infos: list = []
+
+    def execute(self, batch) -> RunnerOutput:
+        raise NotImplementedError
+
+    def kv_bytes_per_token(self) -> int:
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raises WorkerError if a worker has died."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, batch) -> RunnerOutput:
+        return self.runner.execute(batch)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_worker(world: int) -> int | None:
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None  # the user chose; torch in each worker reads it
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+# -- multiprocessing -----------------------------------------------------------------------------
+def _worker_main(conn, config: EngineConfig, rank: int, eos_token_id, timeout_s: float,
+                 num_threads: int | None) -> None:
+    """A worker process: answer (method, args) messages from the driver until told to stop or the
+    driver goes away. Every message gets exactly one reply: ("ok", result) or ("error", text)."""
+    import traceback
+
+    from tidal.worker.worker import Worker
+    logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
+    worker = Worker(config, rank, eos_token_id, timeout_s, num_threads)
+    while True:
+        try:
+            method, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the driver is gone: nothing left to serve
+        try:
+            reply = ("ok", getattr(worker, method)(*args))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the driver
+            reply = ("error", f"worker rank {rank} (pid {os.getpid()}) failed in {method}: "
+                              f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        try:
+            conn.send(reply)
+        except (EOFError, OSError, BrokenPipeError):
+            break
+        if method == "shutdown":
+            break
+    os._exit(0)  # skip interpreter teardown: a gloo group with a dead peer can block in its destructor
+
+
+def _reap(procs, conns, grace_s: float = 3.0) -> None:
+    """Stop worker processes: ask politely, then terminate, then kill. Safe to call twice."""
+    msg = pickle.dumps(("shutdown", ()))
+    for p, c in zip(procs, conns):
+        if p.is_alive():
+            try:
+                c.send_bytes(msg)
+            except (OSError, BrokenPipeError):
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for c in conns:
+        c.close()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        import torch.multiprocessing as mp
+        self.world = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.timeout_s = execute_timeout_s()
+        self._failed: str | None = None
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        threads = _threads_per_worker(self.world)
+        self.procs, self.conns = [], []
+        self._finalizer = weakref.finalize(self, _reap, self.procs, self.conns)
+        for rank in range(self.world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, name=f"tidal-worker-{rank}", daemon=True,
+                            args=(child, config, rank, eos_token_id, self.timeout_s, threads))
+            p.start()
+            child.close()  # the driver keeps only its end: a dead worker then reads as EOF
+            self.procs.append(p)
+            self.conns.append(parent)
+        try:
+            # loading can take far longer than a step: its own, generous timeout
+            self.worker_infos = self._call("init", (init_method,), timeout_s=max(600.0, self.timeout_s))
+        except BaseException:
+            self.shutdown()
+            raise
+        _log_shards(self.worker_infos)
+
+    # -- the RPC: one message to every worker, one reply from each -----------------------------------
+    def _call(self, method: str, args: tuple, timeout_s: float | None = None) -> list:
+        from multiprocessing.connection import wait
+        if self._failed:
+            raise WorkerError(f"the workers have failed earlier and cannot run {method}: {self._failed}")
+        msg = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for c in self.conns:
+                c.send_bytes(msg)
+        except (OSError, BrokenPipeError) as e:
+            self._fail(f"cannot reach a worker ({e})")
+        replies: dict[int, object] = {}
+        by_conn = {c: r for r, c in enumerate(self.conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < self.world:
+            waiting = [c for c, r in by_conn.items() if r not in replies]
+            ready = wait(waiting + [s for s, r in by_sentinel.items() if r not in replies],
+                         max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(set(range(self.world)) - set(replies))
+                self._fail(f"worker rank(s) {late} did not answer {method} within {timeout_s:.0f} s "
+                           "(hung or overloaded; raise TIDAL_EXECUTE_TIMEOUT_S if steps are this slow)")
+            for obj in ready:
+                rank = by_conn[obj] if obj in by_conn else by_sentinel[obj]
+                if rank in replies:
+                    continue
+                conn = self.conns[rank]
+                try:  # a worker may have replied just before exiting: take the reply first
+                    if obj is not conn and not conn.poll():
+                        raise EOFError
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    p = self.procs[rank]
+                    p.join(1.0)
+                    self._fail(f"worker rank {rank} (pid {p.pid}) died while running {method} "
+                               f"(exit code {p.exitcode})")
+                if status == "error":
+                    self._fail(value)
+                replies[rank] = value
+        return [replies[r] for r in range(self.world)]
+
+    def _fail(self, why: str):
+        self._failed = why.splitlines()[0]
+        logger.error("worker failure: %s", why)
+        _reap(self.procs, self.conns, grace_s=0.5)  # the others are stuck waiting on the failed one
+        self._finalizer.detach()
+        raise WorkerError(why)
+
+    # -- the Executor interface ----------------------------------------------------------------------
+    def execute(self, batch) -> RunnerOutput:
+        return self._call("execute", (batch,))[self.output_rank]
+
+    def kv_bytes_per_token(self) -> int:
+        return max(self._call("kv_bytes_per_token", ()))  # every rank gets the same number of blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", (num_blocks,))
+
+    def check_health(self) -> None:
+        if self._failed:
+            raise WorkerError(self._failed)
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            self._fail(f"worker rank(s) {[r for r, _ in dead]} died (exit codes {[c for _, c in dead]})")
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def _log_shards(infos) -> None:
+    for info in infos:
+        logger.info("worker rank %d (tp %d, pp %d, pid %d): layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
+                    info.rank, info.tp_rank, info.pp_rank, info.pid, *info.layers, info.weight_bytes / 1e6,
+                    info.load_seconds)
+
+
+# -- Ray -----------------------------------------------------------------------------------------
+def _ray_kill(actors, placement_group) -> None:
+    try:
+        import ray
+        if not ray.is_initialized():
+            return
+        for a in actors:
+            ray.kill(a)
+        if placement_group is not None:
+            ray.util.remove_placement_group(placement_group)
+    except Exception as e:  # noqa: BLE001 - best effort at teardown
+        logger.warning("Ray teardown: %s", e)
+
+
+class RayExecutor(Executor):
+    """Workers as Ray actors, one CPU bundle each, packed onto as few nodes as possible. Uses the
+    cluster this process is connected to, else `ray.init()` (RAY_ADDRESS, or a local instance)."""
+
+    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+        try:
+            import ray
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as e:
+            raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
+        from tidal.worker.worker import Worker
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+        self.world = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.timeout_s = execute_timeout_s()
+        self._failed: str | None = None
+        self.actors = []
+        self.placement_group = ray.util.placement_group([{"CPU": 1}] * self.world, strategy="PACK")
+        self._finalizer = weakref.finalize(self, _ray_kill, self.actors, self.placement_group)
+        try:
+            ray.get(self.placement_group.ready(), timeout=self.timeout_s)
+            remote_worker = ray.remote(num_cpus=1)(Worker)
+            threads = _threads_per_worker(self.world)
+
+            for rank in range(self.world):
+                strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+                self.actors.append(remote_worker.options(scheduling_strategy=strategy).remote(
+                    config, rank, eos_token_id, self.timeout_s, threads))
+            # rank 0 hosts the rendezvous, on whichever node Ray placed it
+            init_method = ray.get(self.actors[0].get_rendezvous.remote(), timeout=self.timeout_s)
+            self.worker_infos = self._call("init", init_method, timeout_s=max(600.0, self.timeout_s))
+        except BaseException:
+            self.shutdown()
+            raise
+        _log_shards(self.worker_infos)
+
+    def _call(self, method: str, *args, timeout_s: float | None = None) -> list:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        if self._failed:
+            raise WorkerError(f"the workers have failed earlier and cannot run {method}: {self._failed}")
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        index = {ref: r for r, ref in enumerate(refs)}
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        replies, pending = {}, list(refs)
+        while pending:  # take replies as they come, so one failure is seen without waiting on the rest
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(index[p] for p in pending)
+                self._fail(f"worker rank(s) {late} did not answer {method} within {timeout_s:.0f} s")
+            try:
+                replies[index[ready[0]]] = ray.get(ready[0])
+            except RayActorError as e:
+                self._fail(f"worker rank {index[ready[0]]} died: {e}")
+            except (RayTaskError, GetTimeoutError) as e:
+                self._fail(f"worker rank {index[ready[0]]} failed in {method}: {e}")
+        return [replies[r] for r in range(self.world)]
+
+    def _fail(self, why: str):
+        self._failed = why.splitlines()[0]
+        logger.error("worker failure: %s", why)
+        self.shutdown()
+        raise WorkerError(why)
+
+    @property
+    def pids(self) -> list[int]:
+        return [info.pid for info in getattr(self, "worker_infos", [])]
+
+    def execute(self, batch) -> RunnerOutput:
+        return self._call("execute", batch)[self.output_rank]
+
+    def kv_bytes_per_token(self) -> int:
+        return max(self._call("kv_bytes_per_token"))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", num_blocks)
+
+    def check_health(self) -> None:
+        if self._failed:
+            raise WorkerError(self._failed)
+        self._call("kv_bytes_per_token", timeout_s=min(10.0, self.timeout_s))  # a cheap round trip
+
+    def shutdown(self) -> None:
+        self._finalizer()

@@ -1,0 +1,139 @@
+"""Worker: one tensor/pipeline-parallel rank. It joins the process group, builds the model with its
+parallel state set (so every layer creates and loads only this rank's shard, and a pipeline stage
+only its layers), and runs the scheduler's batches through an ordinary ModelRunner.
+
+The same class runs inside a process started by the multiprocessing executor and as a Ray actor.
+
+Pipeline parallelism keeps stages busy by splitting each step's batch into micro-batches: stage s
+works on micro-batch i + 1 while stage s + 1 works on micro-batch i (sends do not wait), so with P
+stages up to P micro-batches are in flight at once. Requests are independent in a forward (each has
+its own KV blocks), so splitting changes no result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from tidal.config import EngineConfig
+from tidal.core.scheduler import SchedulerOutput
+from tidal.worker.model_runner import ModelRunner, RunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class WorkerInfo:
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layers: tuple[int, int]
+    weight_bytes: int
+    load_seconds: float
+    pid: int
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int, eos_token_id: int | None, timeout_s: float = 60.0,
+                 num_threads: int | None = None) -> None:
+        self.config, self.rank = config, rank
+        self.eos_token_id, self.timeout_s, self.num_threads = eos_token_id, timeout_s, num_threads
+        self.tp_size, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.pp_rank, self.tp_rank = divmod(rank, self.tp_size)
+        self.is_last_stage = self.pp_rank == self.pp_size - 1
+        # the rank whose sampled tokens go back to the driver (every last-stage rank samples the same)
+        self.is_output_rank = self.is_last_stage and self.tp_rank == 0
+        self.runner: ModelRunner | None = None
+
+    def init(self, init_method: str) -> WorkerInfo:
+        """Join the group at init_method (tcp://host:port of the rendezvous) and load this rank's shard.
+        Every rank must call it at the same time."""
+        from tidal.distributed import init_distributed
+        from tidal.loader import load_model
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        t0 = time.perf_counter()
+        init_distributed(self.rank, self.tp_size, self.pp_size, init_method, self.timeout_s)
+        loaded = load_model(self.config.model, self.config.dtype)
+        model = loaded.model
+        dtype = next(model.parameters()).dtype
+        self.runner = ModelRunner(model, dtype, self.config.block_size, self.config.seed, self.eos_token_id)
+        inner = getattr(model, "model", model)
+        layers = (getattr(inner, "start_layer", 0), getattr(inner, "end_layer", -1))
+        info = WorkerInfo(self.rank, self.tp_rank, self.pp_rank, layers, loaded.weight_bytes,
+                          time.perf_counter() - t0, os.getpid())
+        logger.info("rank %d (tp %d/%d, pp %d/%d): layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
+                    self.rank, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, *layers,
+                    info.weight_bytes / 1e6, info.load_seconds)
+        return info
+
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def get_rendezvous(self) -> str:
+        """Under Ray: tcp://address:port on this worker's node, as Ray knows the node, with a port free
+        there. Rank 0 hosts the process group's rendezvous."""
+        import socket
+
+        import ray
+        node_id = ray.get_runtime_context().get_node_id()
+        address = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+            return f"tcp://{address}:{s.getsockname()[1]}"
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput | None:
+        if self.pp_size == 1:
+            out = self.runner.execute(so)
+        else:
+            out = self._execute_pipelined(so)
+        return out if self.is_output_rank else None
+
+    def _execute_pipelined(self, so: SchedulerOutput) -> RunnerOutput:
+        from tidal.distributed import wait_pp_sends
+        out = RunnerOutput()
+        try:
+            for i, part in enumerate(split_batch(so, self.pp_size)):
+                if not self.is_last_stage:  # earlier stages only run their layers: nothing to sample
+                    part.scheduled = [dataclasses.replace(r, sample=False, want_prompt_logprobs=False)
+                                      for r in part.scheduled]
+                res = self.runner.execute(part)
+                out.sampled.update(res.sampled)
+                out.logprobs.update(res.logprobs)
+                out.prompt_logprobs.update(res.prompt_logprobs)
+        finally:
+            wait_pp_sends()
+        return out
+
+    def shutdown(self) -> None:
+        from tidal.distributed import destroy_distributed
+        destroy_distributed()
+
+
+def split_batch(so: SchedulerOutput, num_parts: int) -> list[SchedulerOutput]:
+    """Split a step's batch into up to num_parts contiguous micro-batches of about equal token counts.
+    Every stage splits the same batch the same way, so micro-batch i meets itself on every stage."""
+    reqs = so.scheduled
+    n = min(num_parts, len(reqs))
+    if n <= 1:
+        return [SchedulerOutput(list(reqs), so.num_batched_tokens, so.preempted_ids, so.finished_ids)]
+    total = sum(len(r.token_ids) for r in reqs)
+    parts, current, seen = [], [], 0
+    for i, r in enumerate(reqs):
+        current.append(r)
+        seen += len(r.token_ids)
+        remaining_parts = n - len(parts) - 1
+        # close this part once it holds its share, keeping at least one request for each later part
+        if remaining_parts and (seen >= total * (len(parts) + 1) / n or len(reqs) - i - 1 == remaining_parts):
+            parts.append(current)
+            current = []
+    parts.append(current)
+    # finished_ids (runner state to drop) travel with the first part only
+    return [SchedulerOutput(p, sum(len(r.token_ids) for r in p), so.preempted_ids if i == 0 else [],
+                            so.finished_ids if i == 0 else []) for i, p in enumerate(parts) if p]
