@@ -1,0 +1,41 @@
+"""`tidal bench throughput | serve`: registers the benchmark subcommands on the `tidal` command line.
+
+`bench serve` lives in tidal.benchmarks.serve; it is imported only when that subcommand is built,
+so `bench throughput` keeps working where the serving benchmark is absent.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from tidal.benchmarks import throughput
+    return throughput.main(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    return importlib.import_module("tidal.benchmarks.serve").main(args)
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput (offline engine), serve (a server)",
+                                  description="Benchmarks.")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    from tidal.benchmarks import throughput
+    p = sub.add_parser("throughput", help="offline throughput on a fixed request set (vLLM's options)",
+                       description=throughput.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    throughput.add_arguments(p)
+    p.set_defaults(func=_run_throughput)
+
+    try:
+        serve = importlib.import_module("tidal.benchmarks.serve")
+    except ModuleNotFoundError as e:
+        if e.name != "tidal.benchmarks.serve":
+            raise
+        return
+    p = sub.add_parser("serve", help="load an OpenAI-compatible server and measure latency and throughput",
+                       description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_arguments(p)
+    p.set_defaults(func=_run_serve)
