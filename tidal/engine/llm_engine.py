@@ -16,6 +16,7 @@ import torch
 from tidal.config import EngineConfig
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
+from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.stats import EngineStats
 from tidal.loader import load_model
@@ -23,7 +24,7 @@ from tidal.outputs import RequestOutput
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
-from tidal.worker.memory import plan_kv_cache
+from tidal.worker.memory import cache_budget_bytes, plan_kv_cache, plan_state_slots
 from tidal.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -52,13 +53,16 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
             self.executor = UniProcExecutor(self.runner)
-        plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len,
-                             config.kv_cache_memory_bytes)
+        state_pool, kv_budget = self._plan_state(config.kv_cache_memory_bytes)
+        plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len, kv_budget)
         self.runner.allocate_kv_cache(plan.num_blocks)
         self.kv_plan = plan
-        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching and state_pool is None
+        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, state_pool=state_pool)
+        if state_pool is not None:
+            self._log_hybrid_plan(plan, state_pool)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._next_id = 0
@@ -69,6 +73,31 @@ class LLMEngine:
                     plan.num_tokens / self.max_model_len)
 
     # -- setup helpers ---------------------------------------------------------------------------
+    def _plan_state(self, budget: int | None) -> tuple[StatePool | None, int | None]:
+        """Models with Mamba layers: state slots (one per running request) come out of the same
+        budget as the KV cache. Returns (the pool or None, the budget left for the KV cache)."""
+        state_bytes = getattr(self.runner, "state_bytes_per_request", lambda: 0)()
+        if not state_bytes:
+            return None, budget
+        budget = cache_budget_bytes(budget)
+        num_slots = plan_state_slots(state_bytes, self.config.max_num_seqs, budget,
+                                     self.runner.kv_bytes_per_token() > 0)
+        self.runner.allocate_state(num_slots)
+        if self.config.enable_prefix_caching:
+            logger.info("Prefix caching is disabled for this model: its Mamba layers' recurrent state cannot be "
+                        "restored from cached attention KV blocks, so a prefix hit would give wrong outputs")
+        return StatePool(num_slots), budget - num_slots * state_bytes
+
+    def _log_hybrid_plan(self, plan, pool: StatePool) -> None:
+        state_bytes = self.runner.state_bytes_per_request()
+        fit_kv = plan.num_tokens // self.max_model_len if plan.bytes_per_token else pool.num_slots
+        logger.info("Hybrid cache: KV %d bytes per token (attention layers only), state %d bytes per request "
+                    "(%.1f MiB for %d slots); requests that fit at once: %d (state slots %d, KV for %d of "
+                    "max_model_len %d, max_num_seqs %d)", plan.bytes_per_token, state_bytes,
+                    pool.num_slots * state_bytes / 2**20, pool.num_slots,
+                    min(pool.num_slots, self.config.max_num_seqs, max(fit_kv, 1)), pool.num_slots, fit_kv,
+                    self.max_model_len, self.config.max_num_seqs)
+
     def _max_model_len(self, hf) -> int:
         limit = getattr(hf, "max_position_embeddings", None) or 2048
         window = getattr(hf, "sliding_window", None)

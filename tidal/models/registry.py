@@ -7,6 +7,9 @@ _MODELS = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
+    "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
 }
 
 

@@ -15,6 +15,7 @@ import torch
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
 from tidal.forward_context import set_forward_context
 from tidal.layers.attention import Attention, AttentionMetadata
+from tidal.layers.mamba import MambaMixer
 from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class ModelRunner:
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
         self.num_blocks = 0
@@ -52,6 +54,14 @@ class ModelRunner:
             # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
             a.kv_cache = torch.zeros(2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                                      dtype=self.dtype)
+
+    # -- Mamba state (one slot per running request; a chunk at position 0 starts from zero state) --
+    def state_bytes_per_request(self) -> int:
+        return sum(m.state_bytes() for m in self.mamba_layers)
+
+    def allocate_state(self, num_slots: int) -> None:
+        for m in self.mamba_layers:
+            m.allocate_state(num_slots)
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()

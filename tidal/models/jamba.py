@@ -1,0 +1,110 @@
+"""Jamba: a hybrid stack of attention and Mamba layers (one attention layer every
+`attn_layer_period`, at `attn_layer_offset`), each followed by a dense MLP or, every
+`expert_layer_period` layers, a top-k mixture of experts whose weights are not renormalised.
+Attention has no positional encoding (the Mamba layers carry position). The Mamba mixers add
+RMSNorms on dt, B and C. Module names match Hugging Face checkpoints."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tidal.layers.attention import Attention
+from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.layers.linear import QKVParallelLinear, RowParallelLinear
+from tidal.layers.mamba import MambaMixer
+from tidal.layers.moe import SparseMoeBlock, split_expert_weights
+from tidal.layers.norm import RMSNorm
+from tidal.models.llama import LlamaMLP
+from tidal.models.utils import load_stacked_weights
+
+
+class JambaAttention(nn.Module):
+    def __init__(self, config, dtype) -> None:
+        super().__init__()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=False, dtype=dtype)
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=False, dtype=dtype)
+        self.q_size = self.qkv_proj.num_heads * head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * head_dim
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim ** -0.5, self.qkv_proj.num_kv_heads)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class JambaDecoderLayer(nn.Module):
+    """One layer: a mixer (attention or Mamba) and a feed-forward (MLP or MoE), both pre-norm residual."""
+
+    def __init__(self, config, layer_idx: int, dtype) -> None:
+        super().__init__()
+        self.is_attention = config.layers_block_type[layer_idx] == "attention"
+        if self.is_attention:
+            self.self_attn = JambaAttention(config, dtype)
+        else:
+            self.mamba = MambaMixer(config.hidden_size, config.mamba_expand * config.hidden_size,
+                                    config.mamba_d_state, config.mamba_d_conv, config.mamba_dt_rank,
+                                    config.mamba_conv_bias, config.mamba_proj_bias, config.rms_norm_eps,
+                                    config.hidden_act, dtype)
+        if config.layers_num_experts[layer_idx] > 1:
+            self.feed_forward = SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_experts,
+                                               config.num_experts_per_tok, renormalize=False,
+                                               router_name="router", dtype=dtype)
+        else:
+            self.feed_forward = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden) if self.is_attention else self.mamba(hidden)
+        hidden, residual = self.pre_ff_layernorm(hidden, residual)
+        return self.feed_forward(hidden), residual
+
+
+class JambaModel(nn.Module):
+    def __init__(self, config, dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual)
+        hidden, _ = self.final_layernorm(hidden, residual)
+        return hidden
+
+
+class JambaForCausalLM(nn.Module):
+    stacked_params = [
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config, dtype=torch.float32, quant=None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = JambaModel(config, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("experts.w13_weight", "experts.w2_weight") + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        return load_stacked_weights(self, split_expert_weights(self, weights), self.stacked_params, skip)
