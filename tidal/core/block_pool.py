@@ -1,18 +1,23 @@
 """BlockPool: the fixed set of KV-cache blocks, their ref counts, the LRU free queue and the
 prefix-hash table.
 
-A block with ref_cnt == 0 sits in the free queue. If it also carries a block hash, it still holds
-valid KV for that prefix and can be revived by a later request (a prefix-cache hit) until it is
-evicted: eviction happens lazily, only when a fresh block is taken from the front of the queue.
-Freed blocks join the back of the queue, so the least recently used are evicted first.
+Every block is in exactly one of three states:
+- in use: ref_cnt > 0 (held by one request, or shared by several through the prefix cache);
+- cached: ref_cnt == 0 but still in the hash table, so its KV can be revived by a later request
+  whose prompt starts with the same tokens (a prefix-cache hit);
+- free: ref_cnt == 0 and no hash.
+Cached and free blocks both sit in the free queue. Eviction is lazy: a cached block loses its hash
+only when it reaches the front of the queue and is handed out as a fresh block. Released blocks
+join the back of the queue, so the least recently used are evicted first.
 
-Invariant (checked by `check_invariants`): every block is either in the free queue with
-ref_cnt == 0 or in use with ref_cnt > 0; free + in_use == num_blocks; the hash table maps each
-hash to a block that carries that hash.
+Invariant (checked by `check_invariants`): free + cached + in_use == num_blocks; a block is in the
+free queue iff its ref_cnt is 0; every hash-table entry points to a block carrying that hash; a
+block with a hash is in the table (no orphaned hashes).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 
 class KVCacheBlock:
@@ -21,19 +26,27 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: bytes | None = None
+        self.block_hash: bytes | None = None  # set only while the block is in the hash table
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt})"
 
 
+@dataclass(frozen=True)
+class BlockCounts:
+    free: int      # unreferenced, no cached KV
+    cached: int    # unreferenced, KV still reusable
+    in_use: int    # referenced by at least one request
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block, in eviction order (front = least recently released)
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
@@ -50,22 +63,32 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Blocks in the hash table, whether in use or not."""
         return len(self.cached_blocks)
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    def counts(self) -> BlockCounts:
+        """Free / cached / in-use split (O(num_blocks): for tests, invariants and debugging)."""
+        cached = sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+        return BlockCounts(len(self.free_queue) - cached, cached, self.num_used_blocks)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
     # -- mutations -------------------------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Take n blocks from the front of the free queue, evicting their cached KV if any."""
         if n > len(self.free_queue):
             raise ValueError(f"cannot take {n} blocks: only {len(self.free_queue)} free")
         out = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
-            self._evict(block)
+            assert block.ref_cnt == 0, f"block {block.block_id} in the free queue is referenced"
+            if block.block_hash is not None:
+                self._uncache(block)
+                self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -73,6 +96,7 @@ class BlockPool:
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (reviving them if unreferenced)."""
         for block in blocks:
+            assert block.block_hash is not None, f"block {block.block_id} is not cached"
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
@@ -86,27 +110,29 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        if not self.enable_caching or block.block_hash is not None:
-            return
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Enter a full, referenced block into the hash table. Returns False (and leaves the block
+        uncached) if caching is off or an identical block is already cached: two requests computed
+        the same tokens concurrently, and one table entry serves later hits as well as two."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached_blocks:
+            return False
+        assert block.ref_cnt > 0, f"caching unreferenced block {block.block_id}"
         block.block_hash = block_hash
-        # If an identical block is already cached (computed concurrently), keep the first one.
-        self.cached_blocks.setdefault(block_hash, block)
+        self.cached_blocks[block_hash] = block
+        return True
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is None:
-            return
-        if self.cached_blocks.get(block.block_hash) is block:
-            del self.cached_blocks[block.block_hash]
-            self.num_evictions += 1
+    def _uncache(self, block: KVCacheBlock) -> None:
+        assert block.ref_cnt == 0, f"evicting block {block.block_id} still in use"
+        del self.cached_blocks[block.block_hash]
         block.block_hash = None
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no request uses; return how many were dropped."""
+        """Forget every cached block that no request uses; return how many were dropped. Blocks in
+        use keep their entries: their KV is valid and running requests still extend them."""
         dropped = 0
         for block in self.free_queue.values():
             if block.block_hash is not None:
-                self._evict(block)
+                self._uncache(block)
                 dropped += 1
         return dropped
 
@@ -119,6 +145,11 @@ class BlockPool:
             else:
                 assert block.block_id not in self.free_queue, f"referenced block {block.block_id} is free"
                 in_use += 1
-        assert in_use + len(self.free_queue) == self.num_blocks
+            if block.block_hash is not None:
+                assert self.cached_blocks.get(block.block_hash) is block, \
+                    f"block {block.block_id} carries a hash the table does not map to it"
         for h, block in self.cached_blocks.items():
             assert block.block_hash == h, f"block {block.block_id} lost its hash"
+        c = self.counts()
+        assert c.in_use == in_use, (c, in_use)
+        assert c.free + c.cached + c.in_use == self.num_blocks, c

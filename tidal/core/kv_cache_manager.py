@@ -37,7 +37,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.req_num_cached_blocks: dict[str, int] = {}
-        # prefix-cache statistics, in tokens
+        # prefix-cache statistics, in tokens, counted at each admission of a request that reads the
+        # cache (as vLLM's prefix_cache_queries / prefix_cache_hits)
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -54,21 +55,25 @@ class KVCacheManager:
         return hashes
 
     # -- lookup / allocation ---------------------------------------------------------------------
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Requests asking for prompt logprobs compute every prompt token (a cached block has KV
+        but no logits), so they never read the cache; they still fill it for others."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks at the start of the request's tokens. The last token is
-        always recomputed (its logits are needed), so a full hit stops one block short."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        """Longest run of cached full blocks at the start of the request's tokens, and how many
+        tokens they hold. The last token is always recomputed (its logits are needed), so hits
+        stop at the last full block before it and at least one token is computed. Takes no references: pass the
+        blocks to allocate_slots in the same scheduling pass."""
+        if not self.reads_prefix_cache(request):
             return [], 0
-        max_hit_tokens = request.num_tokens - 1
-        hashes = self._block_hashes(request, max_hit_tokens)
+        hashes = self._block_hashes(request, request.num_tokens - 1)
         hits = []
         for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int,
@@ -87,6 +92,11 @@ class KVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return None
+        if request.request_id not in self.req_to_blocks and self.reads_prefix_cache(request):
+            # Admission (first, or again after preemption): count the lookup once here, not in
+            # get_computed_blocks, which a request blocked on memory repeats every step.
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(new_computed_blocks) * self.block_size
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.pool.touch(list(new_computed_blocks))
