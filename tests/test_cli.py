@@ -1,0 +1,187 @@
+"""The `tidal` command line: help texts, `generate` and `chat` on the default model (as subprocesses,
+as a user runs them), streaming, and `bench throughput` on a tiny random model."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tidal.benchmarks import datasets
+from tidal.entrypoints import cli
+from tidal.entrypoints.engine_args import add_engine_args
+
+SMALL_ENGINE = ["--kv-cache-memory-bytes", "33554432", "--max-model-len", "1024"]
+
+
+def tidal_cli(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.run([sys.executable, "-m", "tidal.entrypoints.cli", *args], check=False, input=stdin,
+                          text=True, capture_output=True, timeout=timeout, env=env)
+
+
+def help_text(*argv: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return out.getvalue()
+
+
+def engine_flags() -> list[str]:
+    parser = add_engine_args(argparse.ArgumentParser())
+    return [s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"]
+
+
+# -- help ------------------------------------------------------------------------------------------
+
+def test_tidal_help_lists_the_subcommands():
+    proc = tidal_cli("--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("generate", "chat", "bench"):
+        assert name in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [("generate",), ("chat",), ("bench", "throughput")])
+def test_help_lists_every_engine_flag(argv):
+    text = help_text(*argv)
+    flags = engine_flags()
+    assert {"--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--dtype"} <= set(flags)
+    missing = [f for f in flags if f not in text]
+    assert not missing, f"tidal {' '.join(argv)} --help lacks {missing}"
+
+
+def test_generate_help_lists_sampling_flags():
+    text = help_text("generate")
+    for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--seed", "--chat"):
+        assert flag in text
+
+
+def test_generate_rejects_bad_sampling_value_before_loading():
+    with pytest.raises(ValueError, match="temperature"):
+        cli.main(["generate", "hi", "--temperature", "-1"])
+
+
+# -- generate / chat on the default model --------------------------------------------------------
+
+def test_generate_prints_text_and_exits_0():
+    proc = tidal_cli("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+                     "--show-stats", *SMALL_ENGINE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "no text on stdout"
+    assert "8 tokens" in proc.stderr and "finish reason: length" in proc.stderr
+
+
+def test_chat_with_piped_stdin_answers_two_turns_with_history():
+    proc = tidal_cli("chat", "--max-tokens", "16", "--temperature", "0", "--show-stats", *SMALL_ENGINE,
+                     stdin="What is the capital of France?\nAnd of Germany?\n/exit\nnever read\n")
+    assert proc.returncode == 0, proc.stderr
+    stats = [line for line in proc.stderr.splitlines() if line.startswith("[") and "tokens in" in line]
+    assert len(stats) == 2, proc.stderr  # two replies, and the line after /exit was not answered
+    assert "Paris" in proc.stdout
+    # "And of Germany?" means nothing without the first turn: Berlin shows the history was kept.
+    assert "Berlin" in proc.stdout
+
+
+def test_stream_writes_pieces_that_join_to_the_final_text(smollm2):
+    from tidal.entrypoints.cli_generate import stream
+    from tidal.sampling_params import SamplingParams
+
+    class Recorder(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.pieces = []
+
+        def write(self, s):
+            self.pieces.append(s)
+            return super().write(s)
+
+    prompt = "List the planets of the solar system:"
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    final = smollm2.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    out = Recorder()
+    reply = stream(smollm2.llm_engine, prompt, params.clone(output_kind="delta"), out)
+    assert len(out.pieces) > 1, "the reply came in one piece: nothing was streamed"
+    assert reply.text == out.getvalue() == final.text
+    assert reply.num_tokens == len(final.token_ids)
+    assert reply.finish_reason == final.finish_reason
+
+
+# -- bench throughput ------------------------------------------------------------------------------
+
+def test_workloads_reproduce_the_shared_generator_draw_for_draw():
+    # Fingerprints of /work/shared/bench/workload.py's output (the package must not import it).
+    expected = {"offline": (128, 35511, 16865, "4728a93fafb6c71b"),
+                "shared_prefix": (64, 69632, 4096, "d8615c91804b526f"),
+                "single": (1, 128, 128, "2d760646e21c54d3")}
+    for name, want in expected.items():
+        reqs = datasets.workload_requests(name)
+        got = (len(reqs), sum(len(r["prompt_token_ids"]) for r in reqs), sum(r["max_tokens"] for r in reqs),
+               hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16])
+        assert got == want, name
+    assert datasets.random_requests(128, (32, 512), (16, 256), 0, vocab_size=49152) == \
+        datasets.workload_requests("offline")
+
+
+def test_random_dataset_respects_ranges_and_vocabulary():
+    reqs = datasets.random_requests(50, (5, 9), (2, 3), seed=7, vocab_size=512)
+    assert all(5 <= len(r["prompt_token_ids"]) <= 9 and 2 <= r["max_tokens"] <= 3 for r in reqs)
+    assert all(0 <= t < 512 for r in reqs for t in r["prompt_token_ids"])
+    with pytest.raises(ValueError, match="input_len_range"):
+        datasets.random_requests(1, (9, 5), (2, 3))
+
+
+def test_dataset_path_and_prefix_dataset(tmp_path):
+    from tidal.benchmarks.throughput import add_arguments, build_requests
+    path = tmp_path / "reqs.json"
+    path.write_text(json.dumps([{"prompt_token_ids": [5, 6, 7], "max_tokens": 4}]))
+    parser = add_arguments(argparse.ArgumentParser())
+    reqs, warm = build_requests(parser.parse_args(["--dataset-path", str(path)]), vocab_size=512)
+    assert reqs == [{"prompt_token_ids": [5, 6, 7], "max_tokens": 4}] and warm != reqs
+    reqs, _ = build_requests(parser.parse_args(["--dataset", "prefix", "--num-prompts", "3", "--prefix-len", "10",
+                                                "--suffix-len", "2", "--output-len", "5"]), vocab_size=512)
+    assert len(reqs) == 3 and all(r["prompt_token_ids"][:10] == reqs[0]["prompt_token_ids"][:10] for r in reqs)
+    assert len({tuple(r["prompt_token_ids"]) for r in reqs}) == 3 and all(r["max_tokens"] == 5 for r in reqs)
+    path.write_text(json.dumps([{"prompt_token_ids": [], "max_tokens": 4}]))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        datasets.load_json_requests(str(path))
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_kv_utilization_counts_only_slots_holding_tokens(tiny_model_dir, block_size):
+    from tidal import LLM
+    from tidal.benchmarks.throughput import run_tidal
+    llm = LLM(model=tiny_model_dir("llama"), block_size=block_size, kv_cache_memory_bytes=4 * 2**20)
+    reqs = datasets.random_requests(6, (3, 40), (2, 20), seed=3, vocab_size=512)
+    warm = datasets.random_requests(2, (3, 40), (2, 20), seed=4, vocab_size=512)
+    result = run_tidal(llm, reqs, warm)
+    assert result["exact_lengths"] and result["num_output_tokens"] == sum(r["max_tokens"] for r in reqs)
+    if block_size == 1:  # every allocated slot holds a token
+        assert result["kv_utilization"] == pytest.approx(1.0)
+    else:  # partly filled last blocks of short requests
+        assert 0.3 < result["kv_utilization"] < 0.99
+
+
+def test_bench_throughput_on_tiny_model_with_hf_comparison(tiny_model_dir, tmp_path):
+    out_json = tmp_path / "result.json"
+    proc = tidal_cli("bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", "random",
+                     "--num-prompts", "6", "--input-len-range", "4", "48", "--output-len-range", "2", "16",
+                     "--seed", "5", "--kv-cache-memory-bytes", "4194304", "--compare", "hf", "--hf-batch-size", "4",
+                     "--output-json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    for figure in ("requests/s", "total tokens/s", "output tokens/s", "KV cache utilization", "Tidal / HF"):
+        assert figure in proc.stdout, figure
+    result = json.loads(out_json.read_text())
+    reqs = datasets.random_requests(6, (4, 48), (2, 16), seed=5, vocab_size=512)
+    tidal = result["tidal"]
+    assert tidal["num_requests"] == 6 and tidal["exact_lengths"]
+    assert tidal["num_output_tokens"] == result["hf"]["num_output_tokens"] == sum(r["max_tokens"] for r in reqs)
+    assert tidal["num_prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in reqs)
+    assert 0 < tidal["kv_utilization"] <= 1 and tidal["output_tokens_per_s"] > 0
+    assert result["tidal_over_hf"] == pytest.approx(tidal["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"])
