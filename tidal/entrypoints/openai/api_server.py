@@ -1,0 +1,183 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one AsyncLLM.
+
+    app = build_app(async_llm, served_model_name="SmolLM2-135M-Instruct", api_key=None, metrics=...)
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
+/version, /metrics. Every error is OpenAI's JSON error body; with an API key set, every route
+but /health needs `Authorization: Bearer <key>`. A non-streaming request whose client
+disconnects is cancelled (and its engine request aborted) like a streaming one.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tidal
+from tidal.engine.async_llm import AsyncLLM
+from tidal.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               ModelCard, ModelList, TokenizeRequest)
+from tidal.entrypoints.openai.serving_base import APIError, ServingContext, bad_request, error_body
+from tidal.entrypoints.openai.serving_chat import ChatHandler, render_chat
+from tidal.entrypoints.openai.serving_completion import CompletionHandler
+from tidal.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("tidal.entrypoints.openai")
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unknown field {param!r}: Tidal does not support it", param)
+    return APIError(400, f"{param or 'body'}: {first.get('msg')} (got {first.get('input')!r})", param)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel_on_disconnect(request: Request, coro):
+    """Run coro; if the client goes away first, cancel it (which aborts its engine requests)."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    finally:
+        watch.cancel()
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
+              metrics: ServerMetrics | None = None, max_log_len: int | None = None,
+              log_requests: bool = True) -> FastAPI:
+    ctx = ServingContext(async_llm, served_model_name, max_log_len, log_requests)
+    completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
+    app = FastAPI(title="Tidal OpenAI-compatible server", version=tidal.__version__)
+    app.state.ctx = ctx
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        return _error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, exc: StarletteHTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_, exc: Exception):
+        logger.exception("internal error")
+        return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _authenticate(request: Request, call_next):
+            if request.url.path != "/health" and request.method != "OPTIONS":
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):  # constant time: no key-guessing by timing
+                    return JSONResponse(error_body(401, "Incorrect or missing API key: send "
+                                                   "'Authorization: Bearer <key>'", None, "invalid_api_key"),
+                                        status_code=401)
+            return await call_next(request)
+
+    async def _respond(request: Request, handler, body):
+        try:
+            result = await _cancel_on_disconnect(request, handler.create(body))
+        except APIError as e:
+            return _error_response(e)
+        if result is None:  # client gone
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health():
+        if not async_llm.is_running:
+            return JSONResponse(error_body(503, f"the engine is not running: {async_llm.dead_error!r}"),
+                                status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": tidal.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=served_model_name, root=async_llm.engine.model_name,
+                                         max_model_len=ctx.max_model_len)]).model_dump()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await _respond(request, completions, body)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await _respond(request, chat, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if ctx.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "prompt")
+        try:
+            if body.messages is not None:
+                _, ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt,
+                                     body.continue_final_message, None, body.chat_template_kwargs)
+            else:
+                ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ValueError as e:
+            raise bad_request(e, "messages" if body.messages is not None else "prompt") from e
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        if ctx.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "tokens")
+        vocab = async_llm.engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def metrics_page():
+        if metrics is None:
+            raise APIError(404, "metrics are disabled")
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+

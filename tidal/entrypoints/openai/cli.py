@@ -1,0 +1,85 @@
+"""`tidal serve [MODEL]`: the OpenAI-compatible server.
+
+    tidal serve                                     # the default model on http://127.0.0.1:8000
+    tidal serve ./my-llama --port 9000 --max-model-len 4096 --api-key secret
+
+Every engine flag of the CLI is accepted (see `tidal serve --help`), plus the server's own:
+--host, --port, --api-key (or TIDAL_API_KEY), --max-log-len, --disable-log-requests,
+--uvicorn-log-level.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from tidal.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("tidal.entrypoints.openai")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model directory (HF format) or .gguf file; default: SmolLM2-135M-Instruct")
+    add_engine_args(parser)  # includes --served-model-name and --disable-log-stats
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $TIDAL_API_KEY, unset: no key)")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of prompt and token ids shown in request logs (default: all)")
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    g.add_argument("--stats-log-interval", type=float, default=10.0,
+                   help="seconds between periodic stats log lines")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of uvicorn (access logs at info)")
+    return parser
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible server",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(parser)
+    parser.set_defaults(func=run_server)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"tidal serve: --port must be in [0, 65535], got {args.port}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise SystemExit(f"tidal serve: --max-log-len must be >= 0, got {args.max_log_len}")
+    if args.stats_log_interval <= 0:
+        raise SystemExit(f"tidal serve: --stats-log-interval must be > 0, got {args.stats_log_interval}")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    _validate(args)
+    import uvicorn
+
+    from tidal.engine.async_llm import AsyncLLM
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.entrypoints.openai.api_server import build_app
+    from tidal.metrics import ServerMetrics
+
+    config = engine_config_from_args(args, args.model)
+    engine = LLMEngine(config)
+    name = args.served_model_name or engine.model_name
+    metrics = ServerMetrics(name, log_stats=not args.disable_log_stats, log_interval_s=args.stats_log_interval)
+    async_llm = AsyncLLM(engine, step_hook=metrics)
+    app = build_app(async_llm, name, api_key=args.api_key, metrics=metrics, max_log_len=args.max_log_len,
+                    log_requests=not args.disable_log_requests)
+    plan = engine.kv_plan
+    logger.info("Serving %s (model %s, %s) on http://%s:%d/v1 — max_model_len %d, KV cache %d tokens "
+                "(%d blocks of %d, %.1f MiB)%s", name, config.model or engine.model_name,
+                str(engine.dtype).removeprefix("torch."), args.host, args.port, engine.max_model_len,
+                plan.num_tokens, plan.num_blocks, plan.block_size, plan.num_bytes / 2**20,
+                ", API key required" if args.api_key else "")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        async_llm.shutdown()
+    return 0

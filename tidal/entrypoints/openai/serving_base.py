@@ -1,0 +1,138 @@
+"""What the completion and chat handlers share: the OpenAI error body, model and length checks,
+request logging, SSE framing and the merge of several request streams into one."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from tidal.engine.async_llm import AsyncLLM, EngineDeadError
+
+logger = logging.getLogger("tidal.entrypoints.openai")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's JSON error body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code if code is not None else status}}
+
+
+_PARAM_RE = re.compile(r"^(\w+) must\b")
+
+
+def bad_request(error: ValueError, default_param: str | None = None) -> APIError:
+    """A ValueError from SamplingParams or prompt validation as a 400 naming the parameter."""
+    message = str(error)
+    param = getattr(error, "param", None)
+    if param is None:
+        m = _PARAM_RE.match(message)
+        param = m.group(1) if m else default_param
+    return APIError(400, message, param)
+
+
+def engine_error(error: BaseException) -> APIError:
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not running: {error}")
+    return APIError(500, f"internal error: {error!r}")
+
+
+class ServingContext:
+    """The engine and the server settings every handler needs."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str, max_log_len: int | None = None,
+                 log_requests: bool = True) -> None:
+        self.async_llm = async_llm
+        self.engine = async_llm.engine
+        self.served_model_name = served_model_name
+        self.max_model_len = self.engine.max_model_len
+        self.tokenizer = self.engine.tokenizer
+        self.max_log_len = max_log_len
+        self.log_requests = log_requests
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                                f"`{self.served_model_name}`.", "model", "model_not_found")
+
+    def check_alive(self) -> None:
+        if not self.async_llm.is_running:
+            raise engine_error(self.async_llm.dead_error or EngineDeadError("the engine is shutting down"))
+
+    def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> int:
+        """The request's max_tokens, checked against the context length (None: all the room left)."""
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            if room < 1:
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                    f"However, your {what} has {num_prompt_tokens} tokens, which leaves no room "
+                                    "for the completion. Please reduce the length of the "
+                                    f"{'messages' if what == 'messages' else 'prompt'}.", what)
+            return room
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                                f"({num_prompt_tokens} in the {what}, {max_tokens} in the completion). "
+                                f"Please reduce the length of the {what} or completion.", "max_tokens")
+        return max_tokens
+
+    def log_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params) -> None:
+        if not self.log_requests:
+            return
+        ids = prompt_token_ids
+        if self.max_log_len is not None:
+            prompt = prompt[:self.max_log_len] if prompt is not None else None
+            ids = ids[:self.max_log_len]
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids (%d): %s", request_id,
+                    prompt, params, len(prompt_token_ids), ids)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncGenerator[tuple[int, object], None]:
+    """Yield (index of the iterator, item) as items arrive from any of them. Closing this
+    generator (a client gone) closes every iterator, so their requests are aborted."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, item
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()  # the iterator's own finally aborts its request
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()

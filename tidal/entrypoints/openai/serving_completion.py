@@ -1,0 +1,187 @@
+"""POST /v1/completions: one engine request per prompt, n samples each; choice index is
+prompt_index * n + sample_index, as in OpenAI's API."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+from tidal.engine.async_llm import EngineDeadError
+from tidal.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
+                                               CompletionResponse, UsageInfo, random_id)
+from tidal.entrypoints.openai.serving_base import (APIError, ServingContext, bad_request, engine_error,
+                                                   merge_async_iterators, sse)
+from tidal.outputs import RequestOutput
+
+
+def _prompts(request: CompletionRequest) -> list:
+    p = request.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if isinstance(p[0], int):
+        return [p]
+    return list(p)
+
+
+class _LogprobsBuilder:
+    """Completions-style logprobs (tokens, token_logprobs, top_logprobs, text_offset) for one choice."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def add(self, lp: CompletionLogProbs, token_ids, entries, tokenizer) -> None:
+        for token_id, entry in zip(token_ids, entries):
+            if entry is None:  # the first prompt token has no logprob
+                text = tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+                lp.tokens.append(text)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                chosen = entry[token_id]
+                text = chosen.decoded_token if chosen.decoded_token is not None else str(token_id)
+                lp.tokens.append(text)
+                lp.token_logprobs.append(max(chosen.logprob, -9999.0))  # JSON has no -inf
+                lp.top_logprobs.append({(v.decoded_token if v.decoded_token is not None else str(k)):
+                                        max(v.logprob, -9999.0) for k, v in entry.items()})
+            lp.text_offset.append(self.offset)
+            self.offset += len(text)
+
+
+class CompletionHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, request: CompletionRequest):
+        """Validate everything, then return a response dict or an SSE async generator."""
+        ctx = self.ctx
+        ctx.check_alive()
+        ctx.check_model(request.model)
+        try:
+            request.check_unsupported()
+        except ValueError as e:
+            raise bad_request(e) from e
+        prompts = []
+        for p in _prompts(request):
+            try:
+                prompts.append(ctx.async_llm.process_prompt(p))
+            except ValueError as e:
+                raise bad_request(e, "prompt") from e
+        want_logprobs = request.logprobs is not None
+        params = []
+        for text, ids in prompts:
+            max_tokens = ctx.max_tokens_for(len(ids), request.max_tokens)
+            try:
+                params.append(request.sampling_params(
+                    max_tokens, request.logprobs,
+                    request.prompt_logprobs if request.prompt_logprobs is not None else
+                    (request.logprobs if request.echo and want_logprobs else None)))
+            except ValueError as e:
+                raise bad_request(e) from e
+        request_id = random_id("cmpl")
+        streams = []
+        for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+            rid = f"{request_id}-{i}"
+            ctx.log_request(rid, text, ids, sp)
+            streams.append(ctx.async_llm.generate({"prompt": text, "prompt_token_ids": ids}, sp, rid,
+                                                  request.cache_salt))
+        merged = merge_async_iterators(*streams)
+        if request.stream:
+            return self._stream(request, request_id, prompts, merged)
+        return await self._full(request, request_id, prompts, merged)
+
+    def _echo_text(self, prompt) -> str:
+        text, ids = prompt
+        if text is not None:
+            return text
+        return self.ctx.tokenizer.decode(ids) if self.ctx.tokenizer is not None else ""
+
+    async def _full(self, request: CompletionRequest, request_id: str, prompts, merged) -> dict:
+        n = request.n
+        texts = [""] * (len(prompts) * n)
+        token_counts = [0] * len(texts)
+        finish = [None] * len(texts)
+        stop_reasons = [None] * len(texts)
+        lps = [CompletionLogProbs() if request.logprobs is not None else None for _ in texts]
+        builders = [_LogprobsBuilder() for _ in texts]
+        prompt_lps: list = [None] * len(prompts)
+        try:
+            async for i, out in merged:
+                self._first_output(request, i, out, prompts, texts, lps, builders, prompt_lps)
+                for o in out.outputs:
+                    k = i * n + o.index
+                    texts[k] += o.text
+                    token_counts[k] += len(o.token_ids)
+                    if lps[k] is not None and o.logprobs is not None:
+                        builders[k].add(lps[k], o.token_ids, o.logprobs, self.ctx.tokenizer)
+                    if o.finish_reason is not None:
+                        finish[k], stop_reasons[k] = o.finish_reason, o.stop_reason
+        except (EngineDeadError, RuntimeError) as e:
+            raise engine_error(e) from e
+        choices = [CompletionChoice(index=k, text=texts[k], logprobs=lps[k], finish_reason=finish[k],
+                                    stop_reason=stop_reasons[k],
+                                    prompt_logprobs=prompt_lps[k // n] if request.prompt_logprobs is not None
+                                    else None) for k in range(len(texts))]
+        num_prompt = sum(len(ids) for _, ids in prompts) * 1
+        num_gen = sum(token_counts)
+        return CompletionResponse(id=request_id, model=self.ctx.served_model_name, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
+                                                  total_tokens=num_prompt + num_gen)).model_dump()
+
+    def _first_output(self, request, i: int, out: RequestOutput, prompts, texts, lps, builders,
+                      prompt_lps) -> bool:
+        """On a prompt's first output: echo its text (and prompt logprobs). True if it was the first."""
+        if prompt_lps[i] is not None:
+            return False
+        prompt_lps[i] = _prompt_logprobs_json(out.prompt_logprobs) if out.prompt_logprobs is not None else []
+        if request.echo:
+            for j in range(request.n):
+                k = i * request.n + j
+                texts[k] += self._echo_text(prompts[i])
+                if lps[k] is not None and out.prompt_logprobs is not None:
+                    builders[k].add(lps[k], prompts[i][1], out.prompt_logprobs, self.ctx.tokenizer)
+        return True
+
+    async def _stream(self, request: CompletionRequest, request_id: str, prompts,
+                      merged) -> AsyncGenerator[str, None]:
+        n = request.n
+        model = self.ctx.served_model_name
+        created = int(time.time())
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        builders = [_LogprobsBuilder() for _ in range(len(prompts) * n)]
+        prompt_lps: list = [None] * len(prompts)
+        num_gen = 0
+        try:
+            async for i, out in merged:
+                head = [""] * len(builders)
+                head_lps = [CompletionLogProbs() if request.logprobs is not None else None for _ in builders]
+                first = self._first_output(request, i, out, prompts, head, head_lps, builders, prompt_lps)
+                for o in out.outputs:
+                    k = i * n + o.index
+                    lp = head_lps[k]
+                    if lp is not None and o.logprobs is not None:
+                        builders[k].add(lp, o.token_ids, o.logprobs, self.ctx.tokenizer)
+                    num_gen += len(o.token_ids)
+                    choice = CompletionChoice(index=k, text=head[k] + o.text, logprobs=lp,
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                    if first and request.prompt_logprobs is not None:
+                        choice.prompt_logprobs = prompt_lps[i]
+                    yield sse(CompletionResponse(id=request_id, created=created, model=model,
+                                                 choices=[choice]).model_dump(exclude_none=False))
+        except (EngineDeadError, RuntimeError) as e:
+            yield sse(engine_error(e).body())
+        else:
+            if include_usage:
+                num_prompt = sum(len(ids) for _, ids in prompts)
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
+                                  total_tokens=num_prompt + num_gen)
+                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                             usage=usage).model_dump())
+        yield sse("[DONE]")
+
+
+def _prompt_logprobs_json(prompt_logprobs) -> list:
+    """vLLM's prompt_logprobs field: per position {token_id: {logprob, rank, decoded_token}} or None."""
+    return [None if d is None else {k: {"logprob": max(v.logprob, -9999.0), "rank": v.rank,
+                                        "decoded_token": v.decoded_token} for k, v in d.items()}
+            for d in prompt_logprobs]
