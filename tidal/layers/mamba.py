@@ -22,14 +22,20 @@ out_proj by columns, with x_proj's partial sums all-reduced so every rank sees w
 """
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size
 from tidal.forward_context import get_forward_context
-from tidal.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
-                                 default_weight_loader)
+from tidal.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from tidal.layers.norm import RMSNorm
 
 # Elements of one [time, requests, d_inner, d_state] scan block (fp32): bounds the scan's working memory.
@@ -123,7 +129,7 @@ class MambaMixer(nn.Module):
             y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd])
         if T > nd:
             starts = meta.query_start_loc[nd:]
-            lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+            lens = [b - a for a, b in pairwise(starts)]
             y[nd:] = self._prefill(xs[nd:], lens, slots[nd:], fresh[nd:])
         y = y * F.silu(gate.float())
         return self.out_proj(y.to(hidden.dtype))

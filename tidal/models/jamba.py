@@ -85,10 +85,10 @@ class JambaModel(nn.Module):
 
 
 class JambaForCausalLM(nn.Module):
-    stacked_params = [
+    stacked_params = (
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
-    ]
+    )
 
     def __init__(self, config, dtype=torch.float32, quant=None) -> None:
         super().__init__()

@@ -1,0 +1,206 @@
+"""Jamba (attention + Mamba + MoE), Mamba and Mixtral through the whole engine, against transformers
+(fp32, its PyTorch Mamba path): prompt logprobs of a mixed-length batch run with chunked prefill and
+small blocks, greedy continuations, runs starved of KV blocks (preemption) or of state slots, and the
+state-slot bookkeeping.
+
+The models are tiny random checkpoints saved as safetensors so the real loader runs. Weights are
+widened from transformers' init so logits are not flat, and the Mamba parameters are set so the
+recurrent state matters over tens of tokens: dt = softplus(bias) in about [0.02, 0.3], A in [-4.5, -0.5].
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.helpers import random_prompts
+from tidal import LLM, SamplingParams
+
+VOCAB = 256
+MAX_TOKENS = 8
+ENGINE = dict(dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=16)
+
+
+def tiny_hybrid_config(kind: str):
+    import transformers
+    if kind == "jamba":  # 8 layers: attention at 2 and 6, MoE on odd layers, GQA 4:2
+        return transformers.JambaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False, max_position_embeddings=512)
+    if kind == "mamba":
+        return transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, state_size=8,
+                                        expand=2, conv_kernel=4, time_step_rank=8)
+    return transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512)
+
+
+def save_tiny_hybrid(kind: str, path: str, seed: int = 0):
+    """Save a seeded random model of `kind` to path; returns the transformers model (fp32, eval)."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hybrid_config(kind), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand_like(p) * 4 + 0.5))
+            elif name.endswith("dt_proj.bias"):
+                p.uniform_(-4, -1)
+            elif p.dim() > 1:
+                p.normal_(0, 0.15 if kind == "mamba" else 0.08)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None  # fixed-length greedy runs, like the engine's ignore_eos
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def run(path: str, prompts: list[list[int]], params: SamplingParams, **engine) -> tuple[list, LLM]:
+    llm = LLM(path, **{**ENGINE, **engine})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return outs, llm
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=0)
+PROMPTS = random_prompts(6, 3, 45, VOCAB, seed=1)  # chunks of 16 tokens: most prompts take several steps
+
+
+@pytest.fixture(scope="module", params=["jamba", "mamba", "mixtral"])
+def case(request, tmp_path_factory):
+    """(kind, checkpoint path, transformers model, engine outputs, engine, batches) for one model kind;
+    batches: per step, the number of tokens each scheduled request computed."""
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = save_tiny_hybrid(request.param, path)
+    llm = LLM(path, kv_cache_memory_bytes=8 << 20, **ENGINE)
+    runner, batches = llm.llm_engine.runner, []
+    execute = runner.execute
+
+    def recording_execute(so):
+        batches.append([len(r.token_ids) for r in so.scheduled])
+        return execute(so)
+    runner.execute = recording_execute
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return request.param, path, hf, outs, llm, batches
+
+
+def test_prompt_logprobs_with_chunked_prefill_match_transformers(case):
+    kind, _, hf, outs, _, _ = case
+    worst = 0.0
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert out.prompt_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            worst = max(worst, abs(out.prompt_logprobs[i][prompt[i]].logprob - ref[i - 1, prompt[i]].item()))
+    assert worst < 1e-4, f"{kind}: worst prompt logprob difference {worst:.2e}"
+
+
+def test_greedy_continuations_equal_transformers_generate(case):
+    kind, _, hf, outs, _, _ = case
+    for prompt, out in zip(PROMPTS, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(prompt):]
+        assert out.outputs[0].token_ids == ref.tolist(), f"{kind}: prompt of {len(prompt)} tokens"
+
+
+def test_one_forward_carries_decodes_and_prefill_chunks_together(case):
+    *_, batches = case
+    assert any(1 in b and any(n > 1 for n in b) for b in batches)  # mixed steps happened
+    assert any(sum(b) == ENGINE["max_num_batched_tokens"] and len(b) > 1 for b in batches)
+
+
+def test_every_state_slot_is_returned_after_the_batch(case):
+    kind, _, _, _, llm, _ = case
+    pool = llm.llm_engine.scheduler.state_pool
+    if kind == "mixtral":
+        assert pool is None  # no Mamba layers, no state pool
+        return
+    pool.check_invariants()
+    assert pool.num_free_slots == pool.num_slots
+
+
+def test_kv_cache_is_allocated_for_attention_layers_only(case):
+    kind, _, _, _, llm, _ = case
+    runner = llm.llm_engine.runner
+    num_attn = {"jamba": 2, "mamba": 0, "mixtral": 2}[kind]
+    assert len(runner.attn_layers) == num_attn
+    assert runner.kv_bytes_per_token() == num_attn * 2 * 2 * 16 * 4  # K,V x 2 KV heads x 16 dims x fp32
+    assert len(runner.mamba_layers) == {"jamba": 6, "mamba": 3, "mixtral": 0}[kind]
+
+
+# -- constrained runs equal unconstrained ones -------------------------------------------------------
+
+LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def _budget(llm: LLM, num_slots: int, kv_tokens: int) -> int:
+    """A cache budget that yields num_slots state slots (half the budget at most goes to state when
+    attention shares it) and then about kv_tokens tokens of KV."""
+    runner = llm.llm_engine.runner
+    state, kv = runner.state_bytes_per_request(), runner.kv_bytes_per_token()
+    if state and kv:
+        return max(2 * num_slots * state, num_slots * state + kv_tokens * kv)
+    return num_slots * state if state else kv_tokens * kv
+
+
+def test_preempted_jamba_run_equals_unconstrained_run(tmp_path):
+    path = str(tmp_path)
+    save_tiny_hybrid("jamba", path)
+    ref, llm = run(path, PROMPTS, LONG, kv_cache_memory_bytes=8 << 20)
+    # 3 state slots and 49 blocks (196 tokens) of KV: three running requests of up to 85 tokens
+    # outgrow the blocks, so the newest is preempted (slot and blocks freed) and recomputed later.
+    outs, small = run(path, PROMPTS, LONG, kv_cache_memory_bytes=_budget(llm, 3, 196))
+    assert small.llm_engine.scheduler.state_pool.num_slots == 3
+    assert small.llm_engine.kv_plan.num_blocks < 64
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    pool = small.llm_engine.scheduler.state_pool
+    assert pool.num_free_slots == pool.num_slots
+
+
+def test_preempted_mixtral_run_equals_unconstrained_run(tmp_path):
+    path = str(tmp_path)
+    save_tiny_hybrid("mixtral", path)
+    ref, llm = run(path, PROMPTS, LONG, kv_cache_memory_bytes=8 << 20)
+    outs, small = run(path, PROMPTS, LONG, kv_cache_memory_bytes=_budget(llm, 0, 128))
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_mamba_run_with_two_state_slots_equals_unconstrained_run(tmp_path):
+    path = str(tmp_path)
+    save_tiny_hybrid("mamba", path)
+    ref, llm = run(path, PROMPTS, LONG, kv_cache_memory_bytes=8 << 20)
+    outs, small = run(path, PROMPTS, LONG, kv_cache_memory_bytes=_budget(llm, 2, 0))
+    assert small.llm_engine.scheduler.state_pool.num_slots == 2
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
+# -- engine set-up ------------------------------------------------------------------------------------
+
+def test_hybrid_start_up_disables_prefix_caching_and_logs_the_cache_plan(tmp_path, caplog):
+    path = str(tmp_path)
+    save_tiny_hybrid("jamba", path)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(path, enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20, **ENGINE)
+    assert "Prefix caching is disabled" in caplog.text
+    assert "512 bytes per token" in caplog.text and "33792 bytes per request" in caplog.text
+    assert not llm.llm_engine.kv_manager.enable_caching
+    # a repeated prompt is recomputed, not served from cached KV without its Mamba state
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert outs[1].num_cached_tokens == 0
+
+
+def test_abort_returns_the_state_slot(tmp_path):
+    path = str(tmp_path)
+    save_tiny_hybrid("mamba", path)
+    engine = LLM(path, kv_cache_memory_bytes=1 << 20, **ENGINE).llm_engine
+    pool = engine.scheduler.state_pool
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert pool.num_free_slots == pool.num_slots - 1
+    engine.abort_request("a")
+    assert pool.num_free_slots == pool.num_slots
+    pool.check_invariants()
