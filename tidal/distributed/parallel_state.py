@@ -32,7 +32,7 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ti
     `timeout_s` bounds every collective: a peer that died or hangs turns into an error here instead of
     a rank blocked forever."""
     world = tp_size * pp_size
-    if init_method.startswith("tcp://127.0.0.1") or init_method.startswith("tcp://localhost"):
+    if init_method.startswith(("tcp://127.0.0.1", "tcp://localhost")):
         # one machine: keep gloo on the loopback device whatever the host name resolves to
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,

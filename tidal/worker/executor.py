@@ -62,13 +62,17 @@ class ModelMeta:
 def load_model_meta(model: str | None, dtype: str = "auto") -> ModelMeta:
     """Config, tokenizer and dtype without building the model: the driver of a parallel engine holds
     no weights."""
-    from tidal.loader.loader import (DEFAULT_MODEL_NAME, load_config, load_tokenizer, resolve_dtype,
-                                     resolve_model_path)
+    from tidal.loader import gguf_loader
+    from tidal.loader.loader import DEFAULT_MODEL_NAME, load_config, load_tokenizer, resolve_dtype, resolve_model_path
     from tidal.models.registry import resolve_model_class
     path = resolve_model_path(model)
+    if path.endswith(".gguf"):  # as load_model: converted once here, so the workers only read the conversion
+        path = gguf_loader.cached_conversion(path)
+        if dtype == "auto":
+            dtype = "bfloat16"
     config = load_config(path)
     resolve_model_class(config)  # refuse an unsupported architecture here, before any worker starts
-    name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(path))
+    name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     return ModelMeta(config, load_tokenizer(path), path, name, resolve_dtype(dtype, config))
 
 
@@ -81,7 +85,7 @@ def create_executor(config: EngineConfig, eos_token_id: int | None):
 
 class Executor:
     """The interface the engine calls."""
-    worker_infos: list = []
+    worker_infos: tuple = ()  # per rank: WorkerInfo (layers, weight bytes, pid)
 
     def execute(self, batch) -> RunnerOutput:
         raise NotImplementedError
@@ -143,8 +147,8 @@ def _worker_main(conn, config: EngineConfig, rank: int, eos_token_id, timeout_s:
         try:
             reply = ("ok", getattr(worker, method)(*args))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the driver
-            reply = ("error", f"worker rank {rank} (pid {os.getpid()}) failed in {method}: "
-                              f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            why = f"worker rank {rank} (pid {os.getpid()}) failed in {method}: {type(e).__name__}: {e}"
+            reply = ("error", f"{why}\n{traceback.format_exc()}")
         try:
             conn.send(reply)
         except (EOFError, OSError, BrokenPipeError):
@@ -224,8 +228,9 @@ class MultiprocExecutor(Executor):
                          max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = sorted(set(range(self.world)) - set(replies))
-                self._fail(f"worker rank(s) {late} did not answer {method} within {timeout_s:.0f} s "
-                           "(hung or overloaded; raise TIDAL_EXECUTE_TIMEOUT_S if steps are this slow)")
+                states = ", ".join(f"rank {r}: {_process_state(self.procs[r].pid)}" for r in late)
+                self._fail(f"worker rank(s) {late} did not answer {method} within {timeout_s:.0f} s ({states}; "
+                           "raise TIDAL_EXECUTE_TIMEOUT_S if steps are legitimately this slow)")
             for obj in ready:
                 rank = by_conn[obj] if obj in by_conn else by_sentinel[obj]
                 if rank in replies:
@@ -275,6 +280,15 @@ class MultiprocExecutor(Executor):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+
+def _process_state(pid: int) -> str:
+    """'running', 'sleeping' (e.g. blocked in a collective), 'stopped', ...: names the culprit of a hang."""
+    import psutil
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
 
 
 def _log_shards(infos) -> None:

@@ -1,0 +1,214 @@
+"""Tensor and pipeline parallelism end to end: tiny random models (fp32) served by 2-4 worker processes
+must give the single-process engine's greedy tokens and prompt logprobs; a dead or hung worker must
+surface as an error within seconds; nothing may outlive the LLM.
+
+Process start-up is the cost here (each worker imports torch and loads its shard), so each parallel
+configuration is built once per module and shared by the tests that need it.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.helpers import random_prompts, save_tiny_model, tiny_config
+from tidal import LLM, SamplingParams
+from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
+from tidal.distributed import get_pp_indices
+from tidal.worker.executor import WorkerError
+from tidal.worker.worker import split_batch
+
+KV_BYTES = 16 << 20
+# a small token budget forces chunked prefill and mixed prefill/decode batches
+ENGINE = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=48, max_num_seqs=8)
+PROMPTS = random_prompts(6, 4, 40, 512, seed=3)
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # workers share the machine's cores with everything else
+
+
+def _generate(llm):
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+
+
+def _assert_same(ref, got):
+    for a, b in zip(ref, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, f"request {a.request_id}: tokens differ"
+        worst = 0.0
+        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            for tok, lp in pa.items():
+                worst = max(worst, abs(lp.logprob - pb[tok].logprob))
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for tok, lp in pa.items():
+                worst = max(worst, abs(lp.logprob - pb[tok].logprob))
+        assert worst < 1e-4, f"request {a.request_id}: logprobs differ by {worst}"
+
+
+def _model(tmp_path_factory, name, **overrides) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp(name)), tiny_config("llama", **overrides), seed=1)
+
+
+class _Holder:
+    """A shared parallel LLM plus its single-process reference outputs; a test may take the LLM away."""
+
+    def __init__(self, path, **parallel):
+        self.ref = _generate(LLM(path, **ENGINE))
+        self.llm = LLM(path, **ENGINE, **parallel)
+        self.pids = list(self.llm.llm_engine.executor.pids)
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.llm_engine.shutdown()
+            self.llm = None
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    h = _Holder(_model(tmp_path_factory, "llama"), tensor_parallel_size=2)
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def pp2_tied(tmp_path_factory):
+    # tied embeddings split across stages: the last stage keeps its own copy as the LM head
+    h = _Holder(_model(tmp_path_factory, "tied", tie_word_embeddings=True), pipeline_parallel_size=2)
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2_mqa(tmp_path_factory):
+    # one KV head for two tensor-parallel ranks: replicated; four layers over two stages
+    h = _Holder(_model(tmp_path_factory, "mqa", num_key_value_heads=1, num_hidden_layers=4),
+                tensor_parallel_size=2, pipeline_parallel_size=2)
+    yield h
+    h.close()
+
+
+def _all_gone(pids, timeout=10.0) -> bool:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+# -- pure bookkeeping -------------------------------------------------------------------------------
+def test_pp_layer_ranges_cover_every_layer_once():
+    for layers in range(1, 9):
+        for pp in range(1, layers + 1):
+            ranges = [get_pp_indices(layers, r, pp) for r in range(pp)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == layers
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
+    with pytest.raises(ValueError, match="pipeline_parallel_size 4"):
+        get_pp_indices(3, 0, 4)
+
+
+def test_split_batch_keeps_order_and_balances_tokens():
+    def req(i, n):
+        return ScheduledRequest(str(i), [1] * n, 0, [0], True, n, PARAMS)
+    so = SchedulerOutput([req(i, n) for i, n in enumerate([1, 1, 30, 1, 20, 8])], 61, finished_ids=["x"])
+    parts = split_batch(so, 2)
+    assert [r.request_id for p in parts for r in p.scheduled] == [str(i) for i in range(6)]
+    assert [p.num_batched_tokens for p in parts] == [32, 29]
+    assert parts[0].finished_ids == ["x"] and parts[1].finished_ids == []
+    assert [len(p.scheduled) for p in split_batch(SchedulerOutput([req(0, 100), req(1, 1)], 101), 4)] == [1, 1]
+    assert len(split_batch(SchedulerOutput([req(0, 5)], 5), 2)) == 1
+
+
+# -- parallel == single process ---------------------------------------------------------------------
+def test_tp2_matches_single_process(tp2):
+    infos = tp2.llm.llm_engine.executor.worker_infos
+    assert [i.layers for i in infos] == [(0, 3), (0, 3)]
+    _assert_same(tp2.ref, _generate(tp2.llm))
+
+
+def test_tp2_shards_the_weights(tp2):
+    full = sum(p.numel() * 4 for p in LLM(tp2.llm.config.model, **ENGINE).llm_engine.runner.model.parameters())
+    per_rank = [i.weight_bytes for i in tp2.llm.llm_engine.executor.worker_infos]
+    # everything is split in two except the norms (replicated): each rank holds a little over half
+    assert all(0.5 * full < b < 0.52 * full for b in per_rank), (per_rank, full)
+
+
+def test_pp2_tied_embeddings_matches_single_process(pp2_tied):
+    infos = pp2_tied.llm.llm_engine.executor.worker_infos
+    assert [i.layers for i in infos] == [(0, 2), (2, 3)]
+    _assert_same(pp2_tied.ref, _generate(pp2_tied.llm))
+
+
+def test_tp2_pp2_replicated_kv_heads_matches_single_process(tp2_pp2_mqa):
+    infos = tp2_pp2_mqa.llm.llm_engine.executor.worker_infos
+    assert [(i.tp_rank, i.pp_rank, i.layers) for i in infos] == [(0, 0, (0, 2)), (1, 0, (0, 2)),
+                                                                 (0, 1, (2, 4)), (1, 1, (2, 4))]
+    _assert_same(tp2_pp2_mqa.ref, _generate(tp2_pp2_mqa.llm))
+
+
+# -- failures and shutdown --------------------------------------------------------------------------
+def test_killed_worker_is_reported_within_seconds(tp2_pp2_mqa):
+    llm = tp2_pp2_mqa.llm
+    llm.llm_engine.check_health()
+    os.kill(tp2_pp2_mqa.pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 .*died"):
+        _generate(llm)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(WorkerError):
+        llm.llm_engine.check_health()
+    assert _all_gone(tp2_pp2_mqa.pids), "the surviving workers were not stopped"
+
+
+def test_hung_worker_is_reported_after_the_timeout(tp2):
+    llm = tp2.llm
+    llm.llm_engine.executor.timeout_s = 3.0
+    os.kill(tp2.pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match=r"did not answer execute within 3 s .*rank 1: stopped"):
+            _generate(llm)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if psutil.pid_exists(tp2.pids[1]):
+            os.kill(tp2.pids[1], signal.SIGCONT)
+    assert _all_gone(tp2.pids), "a hung worker was left behind"
+
+
+def test_deleting_the_llm_leaves_no_process(pp2_tied):
+    pids = pp2_tied.pids
+    assert all(psutil.pid_exists(p) for p in pids)
+    pp2_tied.llm = None  # the only reference
+    gc.collect()
+    assert _all_gone(pids)
+
+
+def test_uni_backend_refuses_more_than_one_rank(tmp_path_factory):
+    with pytest.raises(ValueError, match="'uni' runs one process"):
+        LLM(_model(tmp_path_factory, "uni"), tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
+
+
+# -- Ray ----------------------------------------------------------------------------------------------
+def test_ray_tp2_matches_single_process(tmp_path_factory):
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        path = _model(tmp_path_factory, "ray")
+        ref = _generate(LLM(path, **ENGINE))
+        llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+        pids = llm.llm_engine.executor.pids
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        _assert_same(ref, _generate(llm))
+        del llm
+        gc.collect()
+        assert _all_gone(pids)
+    finally:
+        ray.shutdown()
