@@ -185,3 +185,16 @@ def test_bench_throughput_on_tiny_model_with_hf_comparison(tiny_model_dir, tmp_p
     assert tidal["num_prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in reqs)
     assert 0 < tidal["kv_utilization"] <= 1 and tidal["output_tokens_per_s"] > 0
     assert result["tidal_over_hf"] == pytest.approx(tidal["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"])
+
+
+def test_kv_utilization_counts_a_shared_prefix_block_once(tiny_model_dir):
+    # 16 requests share 2 full blocks (32 tokens) of their prompt through the prefix cache; summing
+    # each request's tokens would count those blocks 16 times and report a full cache.
+    from tidal import LLM
+    from tidal.benchmarks.throughput import run_tidal
+    llm = LLM(model=tiny_model_dir("llama"), block_size=16, kv_cache_memory_bytes=4 * 2**20)
+    reqs = datasets.prefix_requests(16, prefix_len=40, suffix_len=3, output_len=4, seed=3, vocab_size=512)
+    result = run_tidal(llm, reqs, reqs[:1])
+    assert result["prefix_cache_hit_rate"] > 0.5
+    # per request: 32 shared tokens + 11..15 own tokens in its third block of 16 slots
+    assert 0.4 < result["kv_utilization"] < 0.9

@@ -38,6 +38,10 @@ class EngineStats:
         used_blocks = kv_manager.pool.num_used_blocks
         if used_blocks:
             tokens = sum(r.num_computed_tokens for r in scheduler.running)
+            # A block shared through the prefix cache is in several block tables but holds its
+            # tokens once; only full blocks are shared, so each extra reference over-counts a block.
+            refs = sum(len(kv_manager.req_to_blocks.get(r.request_id, ())) for r in scheduler.running)
+            tokens -= (refs - used_blocks) * kv_manager.block_size
             self.kv_util_sum += min(1.0, tokens / (used_blocks * kv_manager.block_size))
             self.kv_util_steps += 1
 
