@@ -91,7 +91,7 @@ class AsyncLLM:
         duplicate id raises ValueError before anything is queued."""
         self._check_alive()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.engine.process_prompt(prompt)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -179,7 +179,7 @@ class AsyncLLM:
                     if stream is not None:
                         stream.put(out)
                 self._hook(aborted + outputs)
-        except BaseException as e:  # noqa: BLE001 - any failure must reach the callers, not vanish
+        except BaseException as e:
             logger.exception("Engine loop failed; failing all requests")
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))

@@ -21,8 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tidal
 from tidal.engine.async_llm import AsyncLLM
-from tidal.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               ModelCard, ModelList, TokenizeRequest)
+from tidal.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from tidal.entrypoints.openai.serving_base import APIError, ServingContext, bad_request, error_body
 from tidal.entrypoints.openai.serving_chat import ChatHandler, render_chat
 from tidal.entrypoints.openai.serving_completion import CompletionHandler

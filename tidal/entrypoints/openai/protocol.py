@@ -75,9 +75,9 @@ class _SamplingFields(_Request):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; ValueError (naming the field) for a bad value."""
-        opt = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                     min_p=self.min_p, repetition_penalty=self.repetition_penalty).items()
-               if v is not None}
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                 "repetition_penalty": self.repetition_penalty}
+        opt = {k: v for k, v in given.items() if v is not None}  # unset: SamplingParams' defaults
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

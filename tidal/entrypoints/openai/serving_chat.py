@@ -7,13 +7,30 @@ import time
 from collections.abc import AsyncGenerator
 
 from tidal.engine.async_llm import EngineDeadError
-from tidal.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                               ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                               ChatResponseMessage, ChatStreamChoice, DeltaMessage,
-                                               TokenLogprob, TopLogprob, UnsupportedFieldError, UsageInfo,
-                                               random_id)
-from tidal.entrypoints.openai.serving_base import (APIError, ServingContext, bad_request, engine_error,
-                                                   merge_async_iterators, sse)
+from tidal.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UnsupportedFieldError,
+    UsageInfo,
+    random_id,
+)
+from tidal.entrypoints.openai.serving_base import (
+    APIError,
+    ServingContext,
+    bad_request,
+    engine_error,
+    merge_async_iterators,
+    sse,
+)
 from tidal.entrypoints.openai.serving_completion import _prompt_logprobs_json
 
 _ROLES = ("system", "developer", "user", "assistant")

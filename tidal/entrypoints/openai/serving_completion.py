@@ -6,10 +6,22 @@ import time
 from collections.abc import AsyncGenerator
 
 from tidal.engine.async_llm import EngineDeadError
-from tidal.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
-                                               CompletionResponse, UsageInfo, random_id)
-from tidal.entrypoints.openai.serving_base import (APIError, ServingContext, bad_request, engine_error,
-                                                   merge_async_iterators, sse)
+from tidal.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from tidal.entrypoints.openai.serving_base import (
+    APIError,
+    ServingContext,
+    bad_request,
+    engine_error,
+    merge_async_iterators,
+    sse,
+)
 from tidal.outputs import RequestOutput
 
 

@@ -1,0 +1,255 @@
+"""`tidal bench serve`: load an OpenAI-compatible server (Tidal's, vLLM's, any) with streamed
+completions arriving as a Poisson process, and report latency and throughput like vLLM's
+`bench serve`.
+
+    tidal serve &                                           # or: vllm serve ...
+    tidal bench serve --base-url http://127.0.0.1:8000 --dataset random --random-input-len 128 \
+        --random-output-len 128 --request-rate 4 --num-prompts 64 --seed 0 --output-json out.json
+
+Prompts are token ids (exact input lengths, no client tokenizer), greedy with ignore_eos, so every
+request produces exactly its output length on any server that honours vLLM's `ignore_eos`.
+Reported: TTFT (time to first token), TPOT (time per output token after the first), ITL (time
+between streamed chunks) and E2E latency, each as mean / p50 / p90 / p99 in ms, plus request and
+token throughput over the whole run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tidal.benchmarks import datasets
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    s = parser.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
+    s.add_argument("--endpoint", default="/v1/completions", help="completions endpoint path")
+    s.add_argument("--model", default=None, help="model name in the API (default: the server's first model)")
+    s.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key (default: $TIDAL_API_KEY or $OPENAI_API_KEY)")
+    d = parser.add_argument_group("requests")
+    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=["random", "prefix"], default="random",
+                   help="random: lengths drawn from the ranges below; prefix: one shared prefix + own suffixes")
+    d.add_argument("--dataset-path", default=None,
+                   help='JSON list of {"prompt_token_ids": [...], "max_tokens": n} (overrides --dataset)')
+    d.add_argument("--num-prompts", type=int, default=100, help="number of requests")
+    d.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=128,
+                   help="random: prompt length (a range with --random-range-ratio)")
+    d.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=128,
+                   help="random: output length (a range with --random-range-ratio); prefix: output length")
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random: lengths drawn from [L*(1-r), L*(1+r)]")
+    d.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                   help="random: prompt lengths, inclusive (overrides --random-input-len)")
+    d.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                   help="random: output lengths, inclusive (overrides --random-output-len)")
+    d.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared prefix length")
+    d.add_argument("--suffix-len", type=int, default=64, help="prefix: per-request suffix length")
+    d.add_argument("--vocab-size", type=int, default=None,
+                   help="draw token ids below this (default: a range valid for SmolLM2's vocabulary)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the request set and the arrival times")
+    r = parser.add_argument_group("load")
+    r.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (inf: all at once)")
+    r.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times (1: Poisson; <1 burstier)")
+    r.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds before a request is counted as failed")
+    r.add_argument("--output-json", default=None, help="write the results to this JSON file")
+    return parser
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+def _range(explicit, length: int, ratio: float) -> tuple[int, int]:
+    if explicit is not None:
+        return tuple(explicit)
+    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+
+
+def build_requests(args) -> list[dict]:
+    if args.dataset_path:
+        return datasets.load_json_requests(args.dataset_path)[:args.num_prompts]
+    if args.dataset == "prefix":
+        return datasets.prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.output_len,
+                                        args.seed, args.vocab_size)
+    return datasets.random_requests(args.num_prompts, _range(args.input_len_range, args.input_len,
+                                                             args.random_range_ratio),
+                                    _range(args.output_len_range, args.output_len, args.random_range_ratio),
+                                    args.seed, args.vocab_size)
+
+
+def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Gaps before each request: gamma(shape=burstiness, mean=1/rate); burstiness 1 is Poisson."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), n).tolist()
+
+
+# -- one request ---------------------------------------------------------------------------------
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+async def send_request(client, url: str, model: str, request: dict, timeout: float) -> RequestResult:
+    body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(prompt_len=len(request["prompt_token_ids"]))
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    chunks += 1
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # a failed request is counted, not fatal to the run
+        result.error = repr(e)
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or chunks
+    result.ok = chunks > 0
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+async def run(args, requests: list[dict]) -> dict:
+    import httpx
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+        model = args.model
+        if model is None:
+            r = await client.get(f"{base}/v1/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        url = f"{base}{args.endpoint}"
+        probe = await send_request(client, url, model, {"prompt_token_ids": requests[0]["prompt_token_ids"][:16],
+                                                        "max_tokens": 2}, args.timeout)
+        if not probe.ok:
+            raise RuntimeError(f"the test request failed: {probe.error}")
+        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def limited(request):
+            if semaphore is None:
+                return await send_request(client, url, model, request, args.timeout)
+            async with semaphore:
+                return await send_request(client, url, model, request, args.timeout)
+
+        tasks = []
+        start = time.perf_counter()
+        for request, delay in zip(requests, arrival_delays(len(requests), args.request_rate, args.burstiness,
+                                                           args.seed)):
+            await asyncio.sleep(delay)  # the arrival process itself, not synchronisation
+            tasks.append(asyncio.create_task(limited(request)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, args, model)
+
+
+def _dist(values: list[float], name: str) -> dict:
+    ms = np.array(values or [0.0]) * 1000
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.percentile(ms, 50)),
+            f"p90_{name}_ms": float(np.percentile(ms, 90)), f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float, args, model: str) -> dict:
+    done = [r for r in results if r.ok]
+    total_in = sum(r.prompt_len for r in done)
+    total_out = sum(r.output_tokens for r in done)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    summary = {
+        "model": model, "base_url": args.base_url, "num_prompts": len(results), "request_rate": args.request_rate,
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "completed": len(done),
+        "failed": len(results) - len(done), "duration": duration, "total_input_tokens": total_in,
+        "total_output_tokens": total_out, "request_throughput": len(done) / duration,
+        "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration,
+    }
+    summary.update(_dist([r.ttft for r in done], "ttft"))
+    summary.update(_dist(tpot, "tpot"))
+    summary.update(_dist([x for r in done for x in r.itl], "itl"))
+    summary.update(_dist([r.e2e for r in done], "e2el"))
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        summary["errors"] = errors[:10]
+    return summary
+
+
+def print_report(s: dict, out=sys.stdout) -> None:
+    w = 50
+    print(f"{' Serving Benchmark Result ':=^{w}}", file=out)
+    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+            ("Request rate (req/s):", s["request_rate"]), ("Benchmark duration (s):", s["duration"]),
+            ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
+            ("Request throughput (req/s):", s["request_throughput"]),
+            ("Output token throughput (tok/s):", s["output_throughput"]),
+            ("Total token throughput (tok/s):", s["total_token_throughput"])]
+    for label, v in rows:
+        print(f"{label:<36}{v:>14.2f}" if isinstance(v, float) else f"{label:<36}{v:>14}", file=out)
+    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print(f"{' ' + title + ' ':-^{w}}", file=out)
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
+            print(f"{label + ' ' + key.upper() + ' (ms):':<36}{s[f'{stat}_{key}_ms']:>14.2f}", file=out)
+    print("=" * w, file=out)
+    for e in s.get("errors", []):
+        print(f"error: {e}", file=out)
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("num_prompts",):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"tidal bench serve: --{name.replace('_', '-')} must be >= 1")
+    if not args.request_rate > 0:
+        raise SystemExit(f"tidal bench serve: --request-rate must be > 0 (inf: all at once), got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise SystemExit(f"tidal bench serve: --burstiness must be > 0, got {args.burstiness}")
+    try:
+        requests = build_requests(args)
+    except ValueError as e:
+        raise SystemExit(f"tidal bench serve: {e}") from e
+    summary = asyncio.run(run(args, requests))
+    print_report(summary)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
