@@ -19,7 +19,7 @@ from tidal import LLM, SamplingParams
 
 VOCAB = 256
 MAX_TOKENS = 8
-ENGINE = dict(dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=16)
+ENGINE = {"dtype": "float32", "max_model_len": 128, "block_size": 4, "max_num_batched_tokens": 16}
 
 
 def tiny_hybrid_config(kind: str):
