@@ -42,8 +42,8 @@ def register(subparsers) -> None:
             return  # not built yet
         # A dependency of the serving benchmark is missing: say so when it is asked for, and
         # keep every other subcommand working.
-        p = sub.add_parser("serve", help=f"(unavailable: {e})", add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p = sub.add_parser("serve", help=f"(unavailable: {e})", add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs="*")  # no options: any flags given are taken as plain words
         p.set_defaults(func=lambda args, error=e: _unavailable("bench serve", error))
         return
     p = sub.add_parser("serve", help="load an OpenAI-compatible server and measure latency and throughput",
