@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

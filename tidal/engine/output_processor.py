@@ -92,7 +92,8 @@ class OutputProcessor:
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.metrics.last_token_time = now
-        state.num_cached_tokens = max(state.num_cached_tokens, request.num_cached_tokens)
+        if index == 0:  # sample 0 computes the prompt; later samples hit its blocks, not earlier requests'
+            state.num_cached_tokens = max(request.num_cached_tokens, 0)
         sample.token_ids.append(token)
         if logprobs is not None and sample.logprobs is not None:
             top_ids, top_vals, lp, rank = logprobs

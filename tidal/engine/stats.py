@@ -59,5 +59,10 @@ class EngineStats:
             self.tpot.append((m.last_token_time - m.first_token_time) / (n - 1))
 
     @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up (0 before any)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
     def kv_utilization(self) -> float:
         return self.kv_util_sum / self.kv_util_steps if self.kv_util_steps else 0.0
