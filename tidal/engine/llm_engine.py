@@ -55,6 +55,9 @@ class LLMEngine:
             self.executor = UniProcExecutor(self.runner)
         state_pool, kv_budget = self._plan_state(config.kv_cache_memory_bytes)
         plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len, kv_budget)
+        if state_pool is not None and not plan.bytes_per_token:  # no attention: blocks are bookkeeping only,
+            plan.num_blocks = max(plan.num_blocks,  # so they must never be what runs out
+                                  state_pool.num_slots * -(-self.max_model_len // config.block_size))
         self.runner.allocate_kv_cache(plan.num_blocks)
         self.kv_plan = plan
         prefix_caching = config.enable_prefix_caching and state_pool is None
