@@ -24,7 +24,7 @@ from tidal.worker.worker import split_batch
 
 KV_BYTES = 16 << 20
 # a small token budget forces chunked prefill and mixed prefill/decode batches
-ENGINE = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=48, max_num_seqs=8)
+ENGINE = {"dtype": "float32", "kv_cache_memory_bytes": KV_BYTES, "max_num_batched_tokens": 48, "max_num_seqs": 8}
 PROMPTS = random_prompts(6, 4, 40, 512, seed=3)
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, prompt_logprobs=2, ignore_eos=True)
 
@@ -212,3 +212,20 @@ def test_ray_tp2_matches_single_process(tmp_path_factory):
         assert _all_gone(pids)
     finally:
         ray.shutdown()
+
+
+# -- Mixtral (MoE experts sharded) and Jamba (Mamba split along its inner dimension) -------------------
+@pytest.mark.parametrize("kind", ["mixtral", "jamba"])
+def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
+    from tests.test_hybrid import ENGINE as HYBRID_ENGINE
+    from tests.test_hybrid import VOCAB, save_tiny_hybrid
+    path = str(tmp_path_factory.mktemp(kind))
+    save_tiny_hybrid(kind, path)
+    engine = {**HYBRID_ENGINE, "kv_cache_memory_bytes": 4 << 20, "max_num_seqs": 8}
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 3, 40, VOCAB, seed=2)]
+    ref = LLM(path, **engine).generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=2, **engine)
+    _assert_same(ref, llm.generate(prompts, PARAMS, use_tqdm=False))
+    llm.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
+        LLM(path, pipeline_parallel_size=2, **engine)

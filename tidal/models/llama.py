@@ -116,6 +116,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_pp = True  # builds only its stage's layers (LlamaModel)
     stacked_params = [  # (fused parameter, checkpoint name, shard)
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),

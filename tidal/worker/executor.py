@@ -59,7 +59,7 @@ class ModelMeta:
     dtype: object
 
 
-def load_model_meta(model: str | None, dtype: str = "auto") -> ModelMeta:
+def load_model_meta(model: str | None, dtype: str = "auto", pipeline_parallel_size: int = 1) -> ModelMeta:
     """Config, tokenizer and dtype without building the model: the driver of a parallel engine holds
     no weights."""
     from tidal.loader import gguf_loader
@@ -71,7 +71,10 @@ def load_model_meta(model: str | None, dtype: str = "auto") -> ModelMeta:
         if dtype == "auto":
             dtype = "bfloat16"
     config = load_config(path)
-    resolve_model_class(config)  # refuse an unsupported architecture here, before any worker starts
+    model_cls = resolve_model_class(config)  # refuse an unsupported architecture before any worker starts
+    if pipeline_parallel_size > 1 and not getattr(model_cls, "supports_pp", False):
+        raise ValueError(f"{model_cls.__name__} does not support pipeline parallelism yet "
+                         f"(pipeline_parallel_size={pipeline_parallel_size}); use tensor_parallel_size")
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     return ModelMeta(config, load_tokenizer(path), path, name, resolve_dtype(dtype, config))
 
@@ -96,6 +99,13 @@ class Executor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
 
+    def state_bytes_per_request(self) -> int:
+        """Mamba state bytes one running request needs (on the rank that needs most)."""
+        raise NotImplementedError
+
+    def allocate_state(self, num_slots: int) -> None:
+        raise NotImplementedError
+
     def check_health(self) -> None:
         """Raises WorkerError if a worker has died."""
 
@@ -115,6 +125,12 @@ class UniProcExecutor(Executor):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+
+    def state_bytes_per_request(self) -> int:
+        return self.runner.state_bytes_per_request()
+
+    def allocate_state(self, num_slots: int) -> None:
+        self.runner.allocate_state(num_slots)
 
 
 def _free_port() -> int:
@@ -267,6 +283,12 @@ class MultiprocExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", (num_blocks,))
 
+    def state_bytes_per_request(self) -> int:
+        return max(self._call("state_bytes_per_request", ()))  # every rank gets the same number of slots
+
+    def allocate_state(self, num_slots: int) -> None:
+        self._call("allocate_state", (num_slots,))
+
     def check_health(self) -> None:
         if self._failed:
             raise WorkerError(self._failed)
@@ -390,6 +412,12 @@ class RayExecutor(Executor):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)
+
+    def state_bytes_per_request(self) -> int:
+        return max(self._call("state_bytes_per_request"))
+
+    def allocate_state(self, num_slots: int) -> None:
+        self._call("allocate_state", num_slots)
 
     def check_health(self) -> None:
         if self._failed:

@@ -76,6 +76,12 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
+    def state_bytes_per_request(self) -> int:
+        return self.runner.state_bytes_per_request()
+
+    def allocate_state(self, num_slots: int) -> None:
+        self.runner.allocate_state(num_slots)
+
     def get_rendezvous(self) -> str:
         """Under Ray: tcp://address:port on this worker's node, as Ray knows the node, with a port free
         there. Rank 0 hosts the process group's rendezvous."""
