@@ -6,8 +6,8 @@ import os
 
 import torch
 
-TINY_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY_COMMON = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
 def tiny_config(arch: str, **overrides):
@@ -65,7 +65,7 @@ def hf_prompt_logprobs(hf, ids: list[int]) -> list[float]:
 
 def hf_greedy(hf, ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> list[int]:
     """transformers' greedy continuation (exactly max_new_tokens long when ignore_eos)."""
-    kw = dict(min_new_tokens=max_new_tokens) if ignore_eos else {}
+    kw = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                           pad_token_id=0, **kw)

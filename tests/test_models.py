@@ -53,9 +53,9 @@ def run(request, tiny_model_dir):
 
 
 def test_prefill_is_chunked_and_within_budget(run):
-    name, _, prompts, _, batches = run
+    _, _, prompts, _, batches = run
     assert min(len(p) for p in prompts) > BUDGET
-    assert len(set(len(p) for p in prompts)) > 1
+    assert len({len(p) for p in prompts}) > 1
     prefill_chunks: dict[str, int] = {}
     for batch in batches:
         assert sum(n for _, _, n, _ in batch) <= BUDGET
