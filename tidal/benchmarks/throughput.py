@@ -218,8 +218,19 @@ def run_hf(model: str | None, dtype, requests: list[dict], warmup: list[dict], b
 
 # -- command -------------------------------------------------------------------------------------
 
-def _print_report(tidal: dict, hf: dict | None, dtype: str, out=sys.stdout) -> None:
+def _machine() -> dict:
+    """Threads and load: a contended CPU (another process on a core) slows a run several-fold."""
+    import torch
+    return {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def _print_report(tidal: dict, hf: dict | None, dtype: str, machine: dict, out=sys.stdout) -> None:
     p = lambda *a: print(*a, file=out)
+    load = machine["load_average_1min"]
+    if load is not None and load > machine["cpu_count"] + 0.5:
+        p(f"WARNING: load average {load:.1f} on {machine['cpu_count']} CPUs: other processes share the cores, "
+          "figures are contended")
     p(f"Requests: {tidal['num_requests']} ({tidal['num_prompt_tokens']} prompt + "
       f"{tidal['num_output_tokens']} output tokens), {dtype}, elapsed {tidal['elapsed_s']:.2f} s")
     p(f"Throughput: {tidal['requests_per_s']:.2f} requests/s, {tidal['total_tokens_per_s']:.1f} total tokens/s, "
@@ -246,6 +257,7 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
     engine = llm.llm_engine
     requests, warmup = build_requests(args, engine.vocab_size)
+    machine = _machine()  # load before the run: the benchmark's own load would read as contention
     tidal = run_tidal(llm, requests, warmup, args.runs, not args.disable_detokenize,
                       progress=sys.stderr.isatty())
     dtype = str(engine.dtype).removeprefix("torch.")
@@ -255,9 +267,9 @@ def main(args: argparse.Namespace) -> int:
         del llm, engine  # free the KV cache before transformers loads its own copy of the model
         gc.collect()
         hf = run_hf(config.model, torch_dtype, requests, warmup, args.hf_batch_size)
-    _print_report(tidal, hf, dtype)
+    _print_report(tidal, hf, dtype, machine)
     if args.output_json:
-        result = {"dtype": dtype, "model": config.model, "tidal": tidal}
+        result = {"dtype": dtype, "model": config.model, "machine": machine, "tidal": tidal}
         if hf is not None:
             result["hf"] = hf
             result["tidal_over_hf"] = tidal["output_tokens_per_s"] / hf["output_tokens_per_s"]
