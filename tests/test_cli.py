@@ -63,9 +63,14 @@ def test_generate_help_lists_sampling_flags():
         assert flag in text
 
 
-def test_generate_rejects_bad_sampling_value_before_loading():
-    with pytest.raises(ValueError, match="temperature"):
-        cli.main(["generate", "hi", "--temperature", "-1"])
+def test_generate_rejects_bad_sampling_value_before_loading(capsys):
+    assert cli.main(["generate", "hi", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_generate_names_a_missing_model(capsys, tmp_path):
+    assert cli.main(["generate", "hi", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
 
 
 # -- generate / chat on the default model --------------------------------------------------------

@@ -126,7 +126,18 @@ def _report(args, reply: Reply) -> None:
 
 # -- tidal generate --------------------------------------------------------------------------------
 
-def run_generate(args: argparse.Namespace) -> int:
+def _user_errors(name: str, run):
+    """Bad input (flags, model path, prompt) ends with one clear line and exit status 2, not a traceback."""
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except ValueError as e:
+            print(f"tidal {name}: error: {e}", file=sys.stderr, flush=True)
+            return 2
+    return wrapped
+
+
+def _generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)  # bad values fail here, before the model loads
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     if not text:
@@ -164,7 +175,7 @@ def _read_turn(interactive: bool) -> str | None:
     return None if line == "" else line.rstrip("\n")
 
 
-def run_chat(args: argparse.Namespace) -> int:
+def _chat(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     engine = build_engine(args)
     tokenizer = engine.get_tokenizer()
@@ -202,6 +213,14 @@ def run_chat(args: argparse.Namespace) -> int:
             if not interactive:
                 return 130
             continue
+        except ValueError as e:  # a turn the engine refuses leaves the conversation as it was
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            history.pop()
+            continue
         print(flush=True)
         _report(args, reply)
         history.append({"role": "assistant", "content": reply.text})
+
+
+run_generate = _user_errors("generate", _generate)
+run_chat = _user_errors("chat", _chat)
