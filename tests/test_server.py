@@ -345,6 +345,44 @@ def test_disconnect_mid_stream_frees_the_blocks(client, server):
     assert _metric(after, "tidal:request_success_total", finished_reason="abort") == aborts_before + 1
 
 
+def test_disconnect_of_a_non_streaming_request_aborts_it(server):
+    aborts_before = _metric(_metrics(server), "tidal:request_success_total", finished_reason="abort")
+
+    async def main():
+        async with httpx.AsyncClient(headers=_auth(), timeout=300) as ac:
+            request = asyncio.ensure_future(ac.post(f"{server}/v1/completions", json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # until the engine runs it
+                r = await ac.get(f"{server}/metrics")
+                running = [line for line in r.text.splitlines() if line.startswith("tidal:num_requests_running")]
+                if running and float(running[0].split()[-1]) == 1:
+                    break
+                await asyncio.sleep(0.1)
+            request.cancel()  # closes the connection: the client is gone
+            await asyncio.gather(request, return_exceptions=True)
+
+    asyncio.run(main())
+    after = _wait_for_metrics(server, lambda m: _metric(m, "tidal:kv_cache_usage_perc") == 0)
+    assert _metric(after, "tidal:num_requests_running") == 0
+    assert _metric(after, "tidal:request_success_total", finished_reason="abort") == aborts_before + 1
+
+
+def test_serve_help_lists_engine_and_server_flags():
+    from tidal.entrypoints.engine_args import add_engine_args
+    from tidal.entrypoints.openai.cli import add_server_args
+    engine = {s for a in add_engine_args(argparse.ArgumentParser())._actions for s in a.option_strings}
+    serve = {s for a in add_server_args(argparse.ArgumentParser())._actions for s in a.option_strings}
+    assert engine <= serve
+    assert {"--host", "--port", "--served-model-name", "--api-key", "--max-log-len", "--uvicorn-log-level"} <= serve
+
+
+def test_api_key_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv("TIDAL_API_KEY", "from-env")
+    from tidal.entrypoints.openai.cli import add_server_args
+    assert add_server_args(argparse.ArgumentParser()).parse_args([]).api_key == "from-env"
+
+
 def test_metrics_page_parses_with_vllm_style_names(client, server):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     names = {f.name for f in text_string_to_metric_families(

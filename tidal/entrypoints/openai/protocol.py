@@ -71,6 +71,8 @@ class _SamplingFields(_Request):
             raise UnsupportedFieldError("best_of", "best_of other than n is not supported by Tidal yet")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise UnsupportedFieldError("stream_options", "continuous_usage_stats is not supported by Tidal yet")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
