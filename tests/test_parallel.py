@@ -191,9 +191,13 @@ def test_deleting_the_llm_leaves_no_process(pp2_tied):
     assert _all_gone(pids)
 
 
-def test_uni_backend_refuses_more_than_one_rank(tmp_path_factory):
+def test_impossible_layouts_are_refused_before_any_worker_starts(tmp_path_factory):
+    path = _model(tmp_path_factory, "refused")
     with pytest.raises(ValueError, match="'uni' runs one process"):
-        LLM(_model(tmp_path_factory, "uni"), tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's 4 attention heads; "
+                                         r"possible sizes: \[1, 2, 4\]"):
+        LLM(path, tensor_parallel_size=3, **ENGINE)
 
 
 # -- Ray ----------------------------------------------------------------------------------------------
@@ -229,3 +233,51 @@ def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
     llm.llm_engine.shutdown()
     with pytest.raises(ValueError, match="does not support pipeline parallelism"):
         LLM(path, pipeline_parallel_size=2, **engine)
+
+
+# -- the server -----------------------------------------------------------------------------------------
+@pytest.mark.slow  # a server and its two workers start: 30-100 s on a busy 2-core machine
+def test_server_health_turns_unhealthy_when_a_worker_dies_and_stop_leaves_no_process(tmp_path_factory):
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+    path = _model(tmp_path_factory, "served")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [sys.executable, "-m", "tidal.entrypoints.cli", "serve", path, "--host", "127.0.0.1", "--port", str(port),
+           "-tp", "2", "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_BYTES), "--uvicorn-log-level", "warning"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    base, pids = f"http://127.0.0.1:{port}", []
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # readiness: poll /health until the server answers (or dies)
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"server not ready:\n{log_path.read_text()[-4000:]}"
+            time.sleep(0.25)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(workers) == 2, [p.cmdline() for p in workers]
+        pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        workers[1].kill()
+        t0 = time.monotonic()
+        while (r := httpx.get(f"{base}/health", timeout=5)).status_code == 200 and time.monotonic() - t0 < 10:
+            time.sleep(0.1)  # the kill is asynchronous: poll until the server notices
+        assert r.status_code == 503 and "died" in r.text, r.text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert _all_gone(pids), "worker processes outlived the server"

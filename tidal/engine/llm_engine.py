@@ -37,8 +37,7 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         workers = uses_workers(config)  # tensor/pipeline parallel: the weights live in worker processes
-        loaded = (load_model_meta(config.model, config.dtype, config.pipeline_parallel_size) if workers
-                  else load_model(config.model, config.dtype))
+        loaded = load_model_meta(config) if workers else load_model(config.model, config.dtype)
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -59,12 +59,20 @@ class ModelMeta:
     dtype: object
 
 
-def load_model_meta(model: str | None, dtype: str = "auto", pipeline_parallel_size: int = 1) -> ModelMeta:
+def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     """Config, tokenizer and dtype without building the model: the driver of a parallel engine holds
-    no weights."""
+    no weights. Refuses, before any worker starts, what the workers would refuse."""
     from tidal.loader import gguf_loader
-    from tidal.loader.loader import DEFAULT_MODEL_NAME, load_config, load_tokenizer, resolve_dtype, resolve_model_path
+    from tidal.loader.loader import (
+        DEFAULT_MODEL_NAME,
+        load_config,
+        load_tokenizer,
+        resolve_dtype,
+        resolve_model_path,
+    )
     from tidal.models.registry import resolve_model_class
+    model, dtype = engine_config.model, engine_config.dtype
+    tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
     path = resolve_model_path(model)
     if path.endswith(".gguf"):  # as load_model: converted once here, so the workers only read the conversion
         path = gguf_loader.cached_conversion(path)
@@ -72,9 +80,14 @@ def load_model_meta(model: str | None, dtype: str = "auto", pipeline_parallel_si
             dtype = "bfloat16"
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuse an unsupported architecture before any worker starts
-    if pipeline_parallel_size > 1 and not getattr(model_cls, "supports_pp", False):
+    if pp > 1 and not getattr(model_cls, "supports_pp", False):
         raise ValueError(f"{model_cls.__name__} does not support pipeline parallelism yet "
-                         f"(pipeline_parallel_size={pipeline_parallel_size}); use tensor_parallel_size")
+                         f"(pipeline_parallel_size={pp}); use tensor_parallel_size")
+    heads = getattr(config, "num_attention_heads", None)
+    if heads and heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {heads} attention heads; "
+                         f"possible sizes: {divisors}")
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     return ModelMeta(config, load_tokenizer(path), path, name, resolve_dtype(dtype, config))
 
@@ -290,11 +303,13 @@ class MultiprocExecutor(Executor):
         self._call("allocate_state", (num_slots,))
 
     def check_health(self) -> None:
+        # only looks (safe from another thread, e.g. a server's /health while a step runs); the next
+        # step reports the failure in full and stops the other workers
         if self._failed:
             raise WorkerError(self._failed)
         dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
         if dead:
-            self._fail(f"worker rank(s) {[r for r, _ in dead]} died (exit codes {[c for _, c in dead]})")
+            raise WorkerError(f"worker rank(s) {[r for r, _ in dead]} died (exit codes {[c for _, c in dead]})")
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -420,9 +435,10 @@ class RayExecutor(Executor):
         self._call("allocate_state", num_slots)
 
     def check_health(self) -> None:
+        # an actor's calls queue behind its running step, so a ping could not tell slow from dead:
+        # report what the steps have seen (a dead actor fails the next step within seconds)
         if self._failed:
             raise WorkerError(self._failed)
-        self._call("kv_bytes_per_token", timeout_s=min(10.0, self.timeout_s))  # a cheap round trip
 
     def shutdown(self) -> None:
         self._finalizer()

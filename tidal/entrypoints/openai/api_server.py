@@ -132,6 +132,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         if not async_llm.is_running:
             return JSONResponse(error_body(503, f"the engine is not running: {async_llm.dead_error!r}"),
                                 status_code=503)
+        check = getattr(async_llm.engine, "check_health", None)
+        try:
+            if check is not None:
+                check()  # a dead worker process (tensor/pipeline parallel) shows at once, even when idle
+        except Exception as e:  # noqa: BLE001 - any failure is unhealthy
+            return JSONResponse(error_body(503, f"the engine is unhealthy: {e}"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")

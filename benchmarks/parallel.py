@@ -1,0 +1,174 @@
+"""Tensor / pipeline parallelism: what each rank holds and what the communication costs, plus a paper
+estimate for Jamba-Large on 8 GPUs with int8 weights.
+
+    python benchmarks/parallel.py                       # measure tp=1, tp=3, pp=2 on the default model
+    python benchmarks/parallel.py --configs 1x1,1x2,1x3 # TPxPP pairs
+    python benchmarks/parallel.py --estimate-only       # only the Jamba-Large estimate (no model run)
+
+Measured: weight bytes per rank (each worker reports the parameters it built and loaded) and output
+tokens/s of a fixed greedy workload. On a machine with few cores this measures the overhead of the
+workers and their collectives, not a speed-up. The estimate builds the real Tidal Jamba model on the
+meta device with the tensor-parallel state of rank 0 of 8 set, so parameter shapes, KV bytes per
+token and Mamba state bytes per request come from the same code the engine sizes its caches with
+(ModelRunner.kv_bytes_per_token / state_bytes_per_request, tidal/worker/memory.py).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+import torch
+
+from tidal.worker.memory import plan_kv_cache, plan_state_slots
+
+# AI21-Jamba-1.5-Large (398B parameters, 94B active), as in its config.json
+JAMBA_LARGE = dict(vocab_size=65536, hidden_size=8192, intermediate_size=24576, num_hidden_layers=72,
+                   num_attention_heads=64, num_key_value_heads=8, attn_layer_period=8, attn_layer_offset=4,
+                   expert_layer_period=2, expert_layer_offset=1, num_experts=16, num_experts_per_tok=2,
+                   mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=512, use_mamba_kernels=False,
+                   max_position_embeddings=262144, tie_word_embeddings=False)
+
+
+def measure(model: str | None, tp: int, pp: int, num_prompts: int, input_len: int, output_len: int,
+            dtype: str) -> dict:
+    from tidal import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype=dtype,
+              kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    startup = time.perf_counter() - t0
+    engine = llm.llm_engine
+    if tp * pp == 1:
+        params = {id(p): p for p in engine.runner.model.parameters()}.values()
+        per_rank = [sum(p.numel() * p.element_size() for p in params)]
+    else:
+        per_rank = [info.weight_bytes for info in engine.executor.worker_infos]
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    prompts = [{"prompt_token_ids": torch.randint(100, vocab, (input_len,), generator=g).tolist()}
+               for _ in range(num_prompts)]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    engine.shutdown()
+    del llm, engine
+    gc.collect()
+    return {"tp": tp, "pp": pp, "weight_bytes_per_rank": per_rank, "startup_s": round(startup, 1),
+            "output_tok_s": round(out_tokens / elapsed, 1), "elapsed_s": round(elapsed, 2),
+            "first_tokens": outs[0].outputs[0].token_ids[:8]}
+
+
+def _int8_weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes with int8 linear and expert weights + one fp32 scale per output row, bytes in bf16).
+    Embedding, LM head, norms and the Mamba conv / A / D / dt parameters stay bf16."""
+    from tidal.layers.linear import LinearBase
+    int8_ids, total_int8, total_bf16 = set(), 0, 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            int8_ids.add(id(module.weight))
+        for name in ("w13_weight", "w2_weight"):  # expert weights [num_experts, out, in]
+            if isinstance(getattr(module, name, None), torch.nn.Parameter):
+                int8_ids.add(id(getattr(module, name)))
+    for p in {id(p): p for p in model.parameters()}.values():
+        total_bf16 += p.numel() * 2
+        if id(p) in int8_ids:
+            out_rows = p.numel() // p.shape[-1]
+            total_int8 += p.numel() + 4 * out_rows
+        else:
+            total_int8 += p.numel() * 2
+    return total_int8, total_bf16
+
+
+def estimate_jamba_large(tp: int = 8, gpu_bytes: float = 80e9, gpu_memory_utilization: float = 0.9,
+                         activation_reserve: float = 4e9, block_size: int = 16, max_num_seqs: int = 4096,
+                         context_lens=(4096, 32768, 262144)) -> dict:
+    import transformers
+
+    from tidal.distributed import set_parallel_state
+    from tidal.models.jamba import JambaForCausalLM
+    from tidal.worker.model_runner import ModelRunner
+    config = transformers.JambaConfig(**JAMBA_LARGE)
+    set_parallel_state(tp_rank=0, tp_size=1)
+    with torch.device("meta"):
+        full = JambaForCausalLM(config, dtype=torch.bfloat16)
+    total_params = sum(p.numel() for p in {id(p): p for p in full.parameters()}.values())
+    set_parallel_state(tp_rank=0, tp_size=tp)  # rank 0 of tp: shapes as that worker builds them
+    try:
+        with torch.device("meta"):
+            model = JambaForCausalLM(config, dtype=torch.bfloat16)
+        runner = ModelRunner(model, torch.bfloat16, block_size)
+        kv_per_token = runner.kv_bytes_per_token()
+        state_per_request = runner.state_bytes_per_request()
+        weights_int8, weights_bf16 = _int8_weight_bytes(model)
+    finally:
+        set_parallel_state()
+    budget = int(gpu_bytes * gpu_memory_utilization - weights_int8 - activation_reserve)
+    rows = []
+    for L in context_lens:
+        # the engine's own split (memory.py): state slots take at most half, the KV cache the rest
+        slots = plan_state_slots(state_per_request, max_num_seqs, budget, kv_per_token > 0)
+        plan = plan_kv_cache(kv_per_token, block_size, L, budget - slots * state_per_request)
+        engine_fit = min(slots, plan.num_tokens // L)
+        per_request = state_per_request + L * kv_per_token
+        rows.append({"context_len": L, "bytes_per_request": per_request, "engine_plan_requests": engine_fit,
+                     "state_slots": slots, "kv_tokens": plan.num_tokens, "best_split_requests": budget // per_request})
+    return {"model": "AI21-Jamba-1.5-Large", "total_params": total_params, "tp": tp,
+            "weights_per_gpu_int8": weights_int8, "weights_per_gpu_bf16": weights_bf16,
+            "kv_bytes_per_token_per_gpu": kv_per_token, "state_bytes_per_request_per_gpu": state_per_request,
+            "gpu_bytes": gpu_bytes, "gpu_memory_utilization": gpu_memory_utilization,
+            "activation_reserve": activation_reserve, "cache_budget_per_gpu": budget, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--configs", default="1x1,3x1,1x2", help="comma-separated TPxPP pairs")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--estimate-only", action="store_true")
+    ap.add_argument("--json", help="write all results to this file")
+    args = ap.parse_args()
+    results = {"cpus": len(os.sched_getaffinity(0)), "runs": []}
+    if not args.estimate_only:
+        print(f"{'tp':>3} {'pp':>3} {'weights per rank (MB)':>28} {'startup s':>10} {'output tok/s':>13}")
+        for pair in args.configs.split(","):
+            tp, pp = (int(x) for x in pair.lower().split("x"))
+            try:
+                r = measure(args.model, tp, pp, args.num_prompts, args.input_len, args.output_len, args.dtype)
+            except Exception as e:  # noqa: BLE001 - report the refusal (e.g. heads not divisible) and go on
+                print(f"{tp:>3} {pp:>3}  refused: {str(e).splitlines()[0][:150]}")
+                results["runs"].append({"tp": tp, "pp": pp, "error": str(e).splitlines()[0]})
+                continue
+            results["runs"].append(r)
+            mb = ", ".join(f"{b / 1e6:.1f}" for b in r["weight_bytes_per_rank"])
+            print(f"{tp:>3} {pp:>3} {mb:>28} {r['startup_s']:>10} {r['output_tok_s']:>13}")
+        firsts = {tuple(r["first_tokens"]) for r in results["runs"] if "first_tokens" in r}
+        print(f"greedy tokens identical across configurations: {len(firsts) == 1}")
+    est = estimate_jamba_large()
+    results["jamba_large_estimate"] = est
+    gb = 1e9
+    print(f"\nJamba-1.5-Large ({est['total_params'] / 1e9:.1f}B parameters), tp={est['tp']}, int8 weights, bf16 KV:")
+    print(f"  weights per GPU: {est['weights_per_gpu_int8'] / gb:.1f} GB int8 ({est['weights_per_gpu_bf16'] / gb:.1f} GB "
+          f"in bf16)")
+    print(f"  KV per token per GPU: {est['kv_bytes_per_token_per_gpu']} B; Mamba state per request per GPU: "
+          f"{est['state_bytes_per_request_per_gpu'] / 2**20:.2f} MiB")
+    print(f"  cache budget per GPU: {est['cache_budget_per_gpu'] / gb:.1f} GB (80 GB x {est['gpu_memory_utilization']} "
+          f"- weights - {est['activation_reserve'] / gb:.0f} GB activations)")
+    for row in est["rows"]:
+        print(f"  context {row['context_len']:>7}: {row['bytes_per_request'] / 2**20:9.1f} MiB per request per GPU; "
+              f"requests that fit: {row['engine_plan_requests']} with the engine's half/half split, "
+              f"{row['best_split_requests']} with the best split")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
