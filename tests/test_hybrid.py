@@ -204,3 +204,37 @@ def test_abort_returns_the_state_slot(tmp_path):
     engine.abort_request("a")
     assert pool.num_free_slots == pool.num_slots
     pool.check_invariants()
+
+
+def test_seeded_sampling_with_n_and_streaming_is_independent_of_the_batch(tmp_path):
+    """Sampling features on a hybrid: a seeded n=2 request with penalties, top-k/p and a stop token
+    streams deltas that add up to its final output, and samples the same tokens alone or beside
+    other requests (its Mamba state and random stream are its own)."""
+    path = str(tmp_path)
+    save_tiny_hybrid("jamba", path)
+    params = SamplingParams(n=2, seed=7, temperature=0.9, top_k=50, top_p=0.9, repetition_penalty=1.2,
+                            max_tokens=12, stop_token_ids=[5], logprobs=2, ignore_eos=True)
+    engine = LLM(path, kv_cache_memory_bytes=4 << 20, **ENGINE).llm_engine
+
+    def sample(with_neighbours: bool) -> tuple[list, list]:
+        engine.add_request("r", PROMPTS[2], params.clone(output_kind="delta"))
+        if with_neighbours:
+            for i, p in enumerate(PROMPTS[3:]):
+                engine.add_request(f"other{i}", p, SamplingParams(max_tokens=6, temperature=1.0, seed=i))
+        deltas: dict[int, list[int]] = {0: [], 1: []}
+        num_logprobs = [0, 0]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "r":
+                    for c in out.outputs:
+                        deltas[c.index] += c.token_ids
+                        num_logprobs[c.index] += len(c.logprobs)
+        return [deltas[0], deltas[1]], num_logprobs
+
+    alone, lp_lens = sample(False)
+    beside, _ = sample(True)
+    assert alone == beside
+    assert alone[0] != alone[1]  # two different samples from one seed
+    assert lp_lens == [len(alone[0]), len(alone[1])]
+    for toks in alone:
+        assert 0 < len(toks) <= 12 and 5 not in toks[:-1]
