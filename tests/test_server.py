@@ -125,6 +125,21 @@ def test_completion_token_id_prompts_and_echo(client, server):
     assert r.usage.prompt_tokens == 2 * len(ids)
 
 
+def test_echo_with_logprobs_covers_prompt_and_output(client, server):
+    num_prompt = len(_tokenize(server, prompt=PROMPT))
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1,
+                                     extra_body={"ignore_eos": True})
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == num_prompt + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == full.choices[0].text and full.choices[0].text.startswith(PROMPT)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, temperature=1.0, seed=3,
+                                            echo=True, logprobs=1, stream=True, extra_body={"ignore_eos": True}))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.text for c in mine).startswith(PROMPT)
+        assert sum(len(c.logprobs.tokens) for c in mine) == num_prompt + 4
+
+
 def test_chat_stream_equals_non_stream(client, server):
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,

@@ -134,17 +134,17 @@ class CompletionHandler:
                                     stop_reason=stop_reasons[k],
                                     prompt_logprobs=prompt_lps[k // n] if request.prompt_logprobs is not None
                                     else None) for k in range(len(texts))]
-        num_prompt = sum(len(ids) for _, ids in prompts) * 1
+        num_prompt = sum(len(ids) for _, ids in prompts)
         num_gen = sum(token_counts)
         return CompletionResponse(id=request_id, model=self.ctx.served_model_name, choices=choices,
                                   usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
                                                   total_tokens=num_prompt + num_gen)).model_dump()
 
     def _first_output(self, request, i: int, out: RequestOutput, prompts, texts, lps, builders,
-                      prompt_lps) -> bool:
-        """On a prompt's first output: echo its text (and prompt logprobs). True if it was the first."""
+                      prompt_lps) -> None:
+        """On a prompt's first output: keep its prompt logprobs and echo it into all its n choices."""
         if prompt_lps[i] is not None:
-            return False
+            return
         prompt_lps[i] = _prompt_logprobs_json(out.prompt_logprobs) if out.prompt_logprobs is not None else []
         if request.echo:
             for j in range(request.n):
@@ -152,7 +152,6 @@ class CompletionHandler:
                 texts[k] += self._echo_text(prompts[i])
                 if lps[k] is not None and out.prompt_logprobs is not None:
                     builders[k].add(lps[k], prompts[i][1], out.prompt_logprobs, self.ctx.tokenizer)
-        return True
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts,
                       merged) -> AsyncGenerator[str, None]:
@@ -161,25 +160,30 @@ class CompletionHandler:
         created = int(time.time())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         builders = [_LogprobsBuilder() for _ in range(len(prompts) * n)]
-        prompt_lps: list = [None] * len(prompts)
+        echoed: set[int] = set()  # choices whose prompt echo went out (each sample may start later)
+        sent_prompt_lps: set[int] = set()
         num_gen = 0
         try:
             async for i, out in merged:
-                head = [""] * len(builders)
-                head_lps = [CompletionLogProbs() if request.logprobs is not None else None for _ in builders]
-                first = self._first_output(request, i, out, prompts, head, head_lps, builders, prompt_lps)
                 for o in out.outputs:
                     k = i * n + o.index
-                    lp = head_lps[k]
+                    text = ""
+                    lp = CompletionLogProbs() if request.logprobs is not None else None
+                    if request.echo and k not in echoed:
+                        echoed.add(k)
+                        text = self._echo_text(prompts[i])
+                        if lp is not None and out.prompt_logprobs is not None:
+                            builders[k].add(lp, prompts[i][1], out.prompt_logprobs, self.ctx.tokenizer)
                     if lp is not None and o.logprobs is not None:
                         builders[k].add(lp, o.token_ids, o.logprobs, self.ctx.tokenizer)
                     num_gen += len(o.token_ids)
-                    choice = CompletionChoice(index=k, text=head[k] + o.text, logprobs=lp,
+                    choice = CompletionChoice(index=k, text=text + o.text, logprobs=lp,
                                               finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                    if first and request.prompt_logprobs is not None:
-                        choice.prompt_logprobs = prompt_lps[i]
+                    if request.prompt_logprobs is not None and i not in sent_prompt_lps:
+                        sent_prompt_lps.add(i)
+                        choice.prompt_logprobs = _prompt_logprobs_json(out.prompt_logprobs or [])
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
-                                                 choices=[choice]).model_dump(exclude_none=False))
+                                                 choices=[choice]).model_dump())
         except (EngineDeadError, RuntimeError) as e:
             yield sse(engine_error(e).body())
         else:
