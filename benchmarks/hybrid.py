@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--steps", type=int, default=4, help="timed decode steps per point (after one warm-up)")
     ap.add_argument("--budget-gib", type=float, default=4.0, help="cache budget for the max-concurrency column")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="the engine's cap on running requests")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -133,15 +134,17 @@ def main() -> None:
         print(f"{name}: {row['attention_layers']} attention + {row['mamba_layers']} Mamba layers, "
               f"KV {kv} B/token, state {state} B/request, weights {row['weights_mib']:.0f} MiB", flush=True)
         for ctx in args.contexts:
-            slots = plan_state_slots(state, 256, budget, kv > 0) if state else 0
-            kv_tokens = (budget - slots * state) // kv
-            fit = min(kv_tokens // (ctx + 1), slots or kv_tokens)
-            mem = args.batch * (ctx * kv + state)
+            per_request = ctx * kv + state
+            fit = budget // per_request  # the memory layout's limit
+            # the engine's split: state slots for up to max_num_seqs requests first, the rest for KV
+            slots = plan_state_slots(state, args.max_num_seqs, budget, kv > 0) if state else args.max_num_seqs
+            engine_fit = min(slots, (budget - (slots * state if state else 0)) // (ctx * kv), args.max_num_seqs)
             tok_s = decode_tok_s(runner, args.batch, ctx, args.steps)
-            row["points"].append({"context": ctx, "cache_mib_batch": mem / 2**20, "max_concurrent": fit,
-                                  "decode_tok_s": tok_s})
-            print(f"  context {ctx:6d}: cache for batch {args.batch} {mem / 2**20:8.1f} MiB, "
-                  f"requests that fit in {args.budget_gib:g} GiB: {fit:6d}, decode {tok_s:7.1f} tok/s", flush=True)
+            row["points"].append({"context": ctx, "cache_mib_batch": args.batch * per_request / 2**20,
+                                  "max_concurrent": fit, "max_concurrent_engine": engine_fit, "decode_tok_s": tok_s})
+            print(f"  context {ctx:6d}: cache for batch {args.batch} {args.batch * per_request / 2**20:8.1f} MiB, "
+                  f"requests that fit in {args.budget_gib:g} GiB: {fit:6d} (engine, max_num_seqs "
+                  f"{args.max_num_seqs}: {engine_fit}), decode {tok_s:7.1f} tok/s", flush=True)
         results["models"][name] = row
         del runner, model
 
