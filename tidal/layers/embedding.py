@@ -5,8 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.distributed import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
-                               tensor_model_parallel_all_reduce)
+from tidal.distributed import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from tidal.layers.linear import pack_linear_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,8 +47,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def process_weights_after_loading(self) -> None:
+        self.packed_weight = pack_linear_weight(self.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] logits, gathered across ranks."""
-        logits = F.linear(hidden, self.weight)
+        packed = getattr(self, "packed_weight", None)
+        logits = packed_linear(hidden, packed, None) if packed is not None else F.linear(hidden, self.weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size]

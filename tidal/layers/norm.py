@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -15,8 +16,5 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        orig = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(orig)
+        out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # fp32 accumulation inside
         return out if residual is None else (out, residual)

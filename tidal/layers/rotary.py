@@ -32,6 +32,10 @@ def _inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables. `rotate` applies them to q and k in one pass; the lookup for a
+    positions tensor is memoised, so the layers of one forward (which share their RotaryEmbedding
+    through `get_rope`) index the tables once."""
+
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None,
                  dtype=torch.float32) -> None:
         super().__init__()
@@ -39,17 +43,40 @@ class RotaryEmbedding(nn.Module):
         inv_freq = _inv_freq(head_dim, base, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        # out = x * cos_full + swap_halves(x) * sin_signed, where swap_halves(x) = (x2, x1)
+        self.cos_full = torch.cat((cos, cos), -1)   # [max_position, head_dim]
+        self.sin_signed = torch.cat((-sin, sin), -1)
+        self._memo: tuple | None = None
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == dtype:
+            return memo[2], memo[3]
+        cos = self.cos_full[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
+        sin = self.sin_signed[positions].unsqueeze(1).to(dtype)
+        self._memo = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T]; x [T, H, D] (q and k heads side by side) -> rotated copy."""
+        cos, sin = self._lookup(positions, x.dtype)
+        h = self.head_dim // 2
+        swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, Hq, D]; k [T, Hk, D] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # cos/sin are fp32: rotate in fp32 and hand back the input's dtype (bf16 q/k must stay bf16).
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+_ROPE_CACHE: dict = {}
+
+
+def get_rope(head_dim: int, max_position: int, base: float, scaling: dict | None = None) -> RotaryEmbedding:
+    """One RotaryEmbedding per distinct configuration, shared by all layers that use it."""
+    key = (head_dim, max_position, float(base), repr(sorted((scaling or {}).items())))
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, base, scaling)
+    return rope

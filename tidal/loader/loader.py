@@ -105,6 +105,16 @@ def resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
     return table[dtype]
 
 
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Give each layer a chance to repack or quantize its weights once they are all loaded."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+
+
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
                quant_method=None) -> LoadedModel:
     path = resolve_model_path(model)
@@ -121,6 +131,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     weights = iterate_safetensors(path, torch_dtype)
     net.load_weights(weights)
     net.eval()
+    process_weights_after_loading(net)
     tokenizer = load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")

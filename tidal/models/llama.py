@@ -9,14 +9,21 @@ from itertools import islice
 import torch
 from torch import nn
 
-from tidal.distributed import (get_pp_indices, get_pp_rank, get_pp_size, is_first_pp_stage, is_last_pp_stage,
-                               pp_recv_hidden, pp_send_hidden)
+from tidal.distributed import (
+    get_pp_indices,
+    get_pp_rank,
+    get_pp_size,
+    is_first_pp_stage,
+    is_last_pp_stage,
+    pp_recv_hidden,
+    pp_send_hidden,
+)
 from tidal.layers.activation import SiluAndMul
 from tidal.layers.attention import Attention
 from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tidal.layers.norm import RMSNorm
-from tidal.layers.rotary import RotaryEmbedding
+from tidal.layers.rotary import get_rope
 from tidal.models.utils import load_stacked_weights
 
 
@@ -40,16 +47,19 @@ class LlamaAttention(nn.Module):
         base = getattr(config, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
         scaling = getattr(config, "rope_scaling", None) or (rope_params if rope_params.get("rope_type", "default")
                                                             != "default" else None)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, base, scaling)
+        # shared by all layers (not a submodule: it holds no weights)
+        self._rotary = [get_rope(head_dim, config.max_position_embeddings, base, scaling)]
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         T = x.shape[0]
-        q, k = self.rotary(positions, q.view(T, self.num_heads, self.head_dim),
-                           k.view(T, self.num_kv_heads, self.head_dim))
-        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v))
+        # q and k heads are adjacent in the fused output: rotate them in one pass
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self._rotary[0].rotate(positions, qk).view(T, -1)
+        q, k = qk[:, :self.q_size], qk[:, self.q_size:]
+        v = qkv[:, self.q_size + self.kv_size:]
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):

@@ -2,7 +2,8 @@
 layer's KV cache at `slot_mapping`, then attends through block tables. The torch backend below runs
 on CPU (and anywhere torch does); a GPU backend implements the same two functions.
 
-KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]. Decodes use the native
+CPU kernel (cpu_kernels.py) when it is available, reading K/V in place; the torch path gathers them.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.forward_context import get_forward_context
+from tidal.layers.attention import cpu_kernels
 from tidal.layers.attention.metadata import AttentionMetadata
 
 
@@ -35,8 +37,12 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if meta.num_decodes:
             nd = meta.num_decodes
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                        meta.decode_seq_lens, meta.decode_max_seq_len, self.scale)
+            o = cpu_kernels.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_seq_lens, self.scale)
+            if o is None:
+                o = decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                     meta.decode_max_seq_len, self.scale)
+            out[:nd] = o
         for q_start, q_len, ctx_len, block_ids in meta.prefills:
             qs = q[q_start:q_start + q_len]
             if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache

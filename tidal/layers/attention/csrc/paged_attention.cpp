@@ -1,0 +1,179 @@
+// Paged attention for decode on CPU: one query token per request, K/V read in place from the
+// block-structured cache (no gather copy). Work is split over (request, KV head) pairs; the query
+// heads that share a KV head (GQA) are processed together so each K/V row is read once.
+// Plain C ABI (called through ctypes), no torch headers: it builds in about a second.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum DType { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) { bits = sign; }
+    else { float f = std::ldexp(static_cast<float>(mant), -24); std::memcpy(&bits, &f, 4); bits |= sign; }
+  } else if (exp == 31) { bits = sign | 0x7f800000u | (mant << 13); }
+  else { bits = sign | ((exp + 112) << 23) | (mant << 13); }
+  float f; std::memcpy(&f, &bits, 4); return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  // round to nearest even
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+static inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, 0);
+#else
+  // slow path: rarely used on CPUs without F16C
+  uint32_t u; std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000u; int32_t e = ((u >> 23) & 0xff) - 112; uint32_t m = (u >> 13) & 0x3ff;
+  if (e <= 0) return static_cast<uint16_t>(sign);
+  if (e >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
+  return static_cast<uint16_t>(sign | (e << 10) | m);
+#endif
+}
+
+template <int DT> static inline float load1(const void* p, int64_t i) {
+  if (DT == kF32) return static_cast<const float*>(p)[i];
+  const uint16_t v = static_cast<const uint16_t*>(p)[i];
+  if (DT == kBF16) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  return half_to_float(v);
+}
+
+template <int DT> static inline void store1(void* p, int64_t i, float f) {
+  if (DT == kF32) static_cast<float*>(p)[i] = f;
+  else if (DT == kBF16) static_cast<uint16_t*>(p)[i] = float_to_bf16(f);
+  else static_cast<uint16_t*>(p)[i] = float_to_half(f);
+}
+
+template <int DT> static inline int64_t elem_size() { return DT == kF32 ? 4 : 2; }
+
+#if defined(__AVX512F__)
+template <int DT> static inline __m512 load16(const void* p, int64_t i) {
+  if (DT == kF32) return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+  if (DT == kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return _mm512_cvtph_ps(raw);
+}
+#endif
+
+constexpr int64_t kMaxGroup = 8;   // query heads per KV head kept in registers
+constexpr int64_t kMaxChunks = 8;  // head_dim / 16
+
+template <int DT>
+static void attend_one(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
+                       int64_t h, int64_t G, int64_t Hk, int64_t D, int64_t block_size, float* scores,
+                       float* acc) {
+  auto row = [&](int64_t t) { return ((table[t / block_size] * block_size + t % block_size) * Hk + h) * D; };
+#if defined(__AVX512F__)
+  const bool vec = D % 16 == 0 && D / 16 <= kMaxChunks && G <= kMaxGroup;
+  if (vec) {
+    const int64_t C = D / 16;
+    __m512 qv[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t base = row(t);
+      __m512 kv[kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) kv[c] = load16<DT>(k_cache, base + c * 16);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
+        scores[g * L + t] = _mm512_reduce_add_ps(s);
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t base = row(t);
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * load1<DT>(k_cache, base + d);
+        scores[g * L + t] = s;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+  }
+#if defined(__AVX512F__)
+  if (vec) {
+    const int64_t C = D / 16;
+    __m512 av[kMaxGroup][kMaxChunks];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t base = row(t);
+      __m512 vv[kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) vv[c] = load16<DT>(v_cache, base + c * 16);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+        for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, av[g][c]);
+    return;
+  }
+#endif
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t base = row(t);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * L + t] * load1<DT>(v_cache, base + d);
+  }
+}
+
+template <int DT>
+static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+                   const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                   int64_t block_size, int64_t max_blocks, float scale, int num_threads) {
+  const int64_t G = Hq / Hk;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * Hk; ++item) {
+      const int64_t b = item / Hk, h = item % Hk;
+      const int64_t L = seq_lens[b];
+      scores.resize(G * L);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d) * scale;
+      attend_one<DT>(qf.data(), k_cache, v_cache, block_tables + b * max_blocks, L, h, G, Hk, D, block_size,
+                     scores.data(), acc.data());
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) store1<DT>(out, (b * Hq + h * G + g) * D + d, acc[g * D + d]);
+    }
+  }
+}
+
+extern "C" {
+// q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hk, D]; block_tables [B, max_blocks];
+// seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype: 0 f32, 1 bf16, 2 f16.
+void tidal_paged_attention_decode(const void* q, const void* k_cache, const void* v_cache,
+                                  const int64_t* block_tables, const int64_t* seq_lens, void* out, int64_t B,
+                                  int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, int64_t max_blocks,
+                                  float scale, int dtype, int num_threads) {
+  if (dtype == kF32) decode<kF32>(q, k_cache, v_cache, block_tables, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+  else if (dtype == kBF16) decode<kBF16>(q, k_cache, v_cache, block_tables, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+  else decode<kF16>(q, k_cache, v_cache, block_tables, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+}
+}
