@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from tidal.config import EngineConfig
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler

@@ -7,11 +7,10 @@ layout (the two halves of each head rotate together) that our rotary embedding u
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterator
-
-import logging
 
 import numpy as np
 import torch
