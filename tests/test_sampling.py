@@ -77,7 +77,7 @@ def test_unseeded_sampling_varies(llm, prompts):
         tokens(llm.generate([prompts[0]] * 2, params, use_tqdm=False))[1]
 
 
-@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
 def test_filters_that_keep_one_token_equal_greedy(llm, prompts, filters):
     greedy = tokens(llm.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                  use_tqdm=False))
