@@ -64,8 +64,11 @@ def run_server(args: argparse.Namespace) -> int:
     from tidal.entrypoints.openai.api_server import build_app
     from tidal.metrics import ServerMetrics
 
-    config = engine_config_from_args(args, args.model)
-    engine = LLMEngine(config)
+    try:
+        config = engine_config_from_args(args, args.model)
+        engine = LLMEngine(config)
+    except ValueError as e:  # a bad model path or flag: say so in one line, not a traceback
+        raise SystemExit(f"tidal serve: {e}") from e
     name = args.served_model_name or engine.model_name
     metrics = ServerMetrics(name, log_stats=not args.disable_log_stats, log_interval_s=args.stats_log_interval)
     async_llm = AsyncLLM(engine, step_hook=metrics)
