@@ -4,6 +4,7 @@ estimate for Jamba-Large on 8 GPUs with int8 weights.
     python benchmarks/parallel.py                       # measure tp=1, tp=3, pp=2 on the default model
     python benchmarks/parallel.py --configs 1x1,1x2,1x3 # TPxPP pairs
     python benchmarks/parallel.py --estimate-only       # only the Jamba-Large estimate (no model run)
+    python benchmarks/parallel.py --overhead            # per-step cost of the workers on a tiny model
 
 Measured: weight bytes per rank (each worker reports the parameters it built and loaded) and output
 tokens/s of a fixed greedy workload. On a machine with few cores this measures the overhead of the
@@ -60,7 +61,18 @@ def measure(model: str | None, tp: int, pp: int, num_prompts: int, input_len: in
     gc.collect()
     return {"tp": tp, "pp": pp, "weight_bytes_per_rank": per_rank, "startup_s": round(startup, 1),
             "output_tok_s": round(out_tokens / elapsed, 1), "elapsed_s": round(elapsed, 2),
-            "first_tokens": outs[0].outputs[0].token_ids[:8]}
+            # every request decodes at once: one step per output token
+            "ms_per_step": round(1000 * elapsed / output_len, 2), "first_tokens": outs[0].outputs[0].token_ids[:8]}
+
+
+def tiny_model(path: str) -> str:
+    """A 4-layer random Llama small enough that a step is almost all overhead."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
 
 
 def _int8_weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -124,33 +136,7 @@ def estimate_jamba_large(tp: int = 8, gpu_bytes: float = 80e9, gpu_memory_utiliz
             "activation_reserve": activation_reserve, "cache_budget_per_gpu": budget, "rows": rows}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
-    ap.add_argument("--configs", default="1x1,3x1,1x2", help="comma-separated TPxPP pairs")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--estimate-only", action="store_true")
-    ap.add_argument("--json", help="write all results to this file")
-    args = ap.parse_args()
-    results = {"cpus": len(os.sched_getaffinity(0)), "runs": []}
-    if not args.estimate_only:
-        print(f"{'tp':>3} {'pp':>3} {'weights per rank (MB)':>28} {'startup s':>10} {'output tok/s':>13}")
-        for pair in args.configs.split(","):
-            tp, pp = (int(x) for x in pair.lower().split("x"))
-            try:
-                r = measure(args.model, tp, pp, args.num_prompts, args.input_len, args.output_len, args.dtype)
-            except Exception as e:  # noqa: BLE001 - report the refusal (e.g. heads not divisible) and go on
-                print(f"{tp:>3} {pp:>3}  refused: {str(e).splitlines()[0][:150]}")
-                results["runs"].append({"tp": tp, "pp": pp, "error": str(e).splitlines()[0]})
-                continue
-            results["runs"].append(r)
-            mb = ", ".join(f"{b / 1e6:.1f}" for b in r["weight_bytes_per_rank"])
-            print(f"{tp:>3} {pp:>3} {mb:>28} {r['startup_s']:>10} {r['output_tok_s']:>13}")
-        firsts = {tuple(r["first_tokens"]) for r in results["runs"] if "first_tokens" in r}
-        print(f"greedy tokens identical across configurations: {len(firsts) == 1}")
+def report_estimate(results: dict) -> None:
     est = estimate_jamba_large()
     results["jamba_large_estimate"] = est
     gb = 1e9
@@ -165,6 +151,45 @@ def main() -> None:
         print(f"  context {row['context_len']:>7}: {row['bytes_per_request'] / 2**20:9.1f} MiB per request per GPU; "
               f"requests that fit: {row['engine_plan_requests']} with the engine's half/half split, "
               f"{row['best_split_requests']} with the best split")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--configs", default="1x1,3x1,1x2", help="comma-separated TPxPP pairs")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--estimate-only", action="store_true")
+    ap.add_argument("--overhead", action="store_true",
+                    help="a tiny random model (fp32) instead: the step time is the workers' overhead")
+    ap.add_argument("--json", help="write all results to this file")
+    args = ap.parse_args()
+    results = {"cpus": len(os.sched_getaffinity(0)), "runs": []}
+    if args.overhead:
+        import tempfile
+        args.model, args.dtype = tiny_model(tempfile.mkdtemp(prefix="tidal-tiny-")), "float32"
+        if args.configs == ap.get_default("configs"):
+            args.configs = "1x1,2x1,1x2,2x2"
+    if not args.estimate_only:
+        print(f"{'tp':>3} {'pp':>3} {'weights per rank (MB)':>28} {'startup s':>10} {'output tok/s':>13} "
+              f"{'ms/step':>8}")
+        for pair in args.configs.split(","):
+            tp, pp = (int(x) for x in pair.lower().split("x"))
+            try:
+                r = measure(args.model, tp, pp, args.num_prompts, args.input_len, args.output_len, args.dtype)
+            except Exception as e:  # noqa: BLE001 - report the refusal (e.g. heads not divisible) and go on
+                print(f"{tp:>3} {pp:>3}  refused: {str(e).splitlines()[0][:150]}")
+                results["runs"].append({"tp": tp, "pp": pp, "error": str(e).splitlines()[0]})
+                continue
+            results["runs"].append(r)
+            mb = ", ".join(f"{b / 1e6:.1f}" for b in r["weight_bytes_per_rank"])
+            print(f"{tp:>3} {pp:>3} {mb:>28} {r['startup_s']:>10} {r['output_tok_s']:>13} {r['ms_per_step']:>8}")
+        firsts = {tuple(r["first_tokens"]) for r in results["runs"] if "first_tokens" in r}
+        print(f"greedy tokens identical across configurations: {len(firsts) == 1}")
+    if not args.overhead:
+        report_estimate(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
