@@ -48,6 +48,9 @@ class LLM:
         # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
         for p in prompts:
             engine.process_prompt(p)
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
         ids = []
         for prompt, sp in zip(prompts, params):
             rid = engine.next_request_id()
