@@ -92,8 +92,10 @@ class Reply:
     seconds: float
 
 
-def stream(engine, prompt, params, out=sys.stdout) -> Reply:
-    """Run one request to the end, writing each new piece of text to out as soon as it exists."""
+def stream(engine, prompt, params, out=None) -> Reply:
+    """Run one request to the end, writing each new piece of text to out (default: stdout) as soon
+    as it exists. params should have output_kind="delta"."""
+    out = out if out is not None else sys.stdout
     request_id = engine.next_request_id()
     engine.add_request(request_id, prompt, params)
     pieces, num_tokens, finish_reason = [], 0, None
