@@ -9,7 +9,7 @@ gets the sampled tokens back; it never needs to know how many processes sit behi
 
 Failure handling: the driver waits on the workers' pipes and their process sentinels together, so a
 worker that dies is reported at once, a worker that raises sends its traceback, and one that hangs
-is reported after `TIDAL_EXECUTE_TIMEOUT_S` (default 60 s). After a failure the executor refuses
+is reported after `TIDAL_EXECUTE_TIMEOUT_S` (default 30 s; a stopped process at once). After a failure the executor refuses
 further work. Worker processes are reaped when the executor is shut down, garbage-collected or the
 interpreter exits, and they exit by themselves when the driver's end of their pipe closes.
 """
@@ -28,7 +28,9 @@ from tidal.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_TIMEOUT_S = 60.0
+_DEFAULT_TIMEOUT_S = 30.0
+_INIT_TIMEOUT_S = 600.0  # loading a shard can take far longer than a step
+_STATE_CHECK_S = 1.0  # while waiting, how often to look for a stopped worker
 
 
 class WorkerError(RuntimeError):
@@ -228,8 +230,7 @@ class MultiprocExecutor(Executor):
             self.procs.append(p)
             self.conns.append(parent)
         try:
-            # loading can take far longer than a step: its own, generous timeout
-            self.worker_infos = self._call("init", (init_method,), timeout_s=max(600.0, self.timeout_s))
+            self.worker_infos = self._call("init", (init_method,), timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s))
         except BaseException:
             self.shutdown()
             raise
@@ -253,8 +254,17 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + timeout_s
         while len(replies) < self.world:
             waiting = [c for c, r in by_conn.items() if r not in replies]
+            left = deadline - time.monotonic()
             ready = wait(waiting + [s for s, r in by_sentinel.items() if r not in replies],
-                         max(0.0, deadline - time.monotonic()))
+                         max(0.0, min(left, _STATE_CHECK_S)))
+            if not ready and left > _STATE_CHECK_S:
+                # a stopped process (SIGSTOP, out of the scheduler) will not answer: no need to wait it out
+                stopped = [r for r in range(self.world) if r not in replies
+                           and _process_state(self.procs[r].pid) == "stopped"]
+                if stopped:
+                    self._fail(f"worker rank(s) {stopped} are stopped (state 'stopped', e.g. SIGSTOP) and cannot "
+                               f"answer {method}")
+                continue
             if not ready:
                 late = sorted(set(range(self.world)) - set(replies))
                 states = ", ".join(f"rank {r}: {_process_state(self.procs[r].pid)}" for r in late)
@@ -380,7 +390,7 @@ class RayExecutor(Executor):
                     config, rank, eos_token_id, self.timeout_s, threads))
             # rank 0 hosts the rendezvous, on whichever node Ray placed it
             init_method = ray.get(self.actors[0].get_rendezvous.remote(), timeout=self.timeout_s)
-            self.worker_infos = self._call("init", init_method, timeout_s=max(600.0, self.timeout_s))
+            self.worker_infos = self._call("init", init_method, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s))
         except BaseException:
             self.shutdown()
             raise
