@@ -8,6 +8,7 @@ configuration is built once per module and shared by the tests that need it.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import signal
 import time
@@ -110,7 +111,7 @@ def test_pp_layer_ranges_cover_every_layer_once():
         for pp in range(1, layers + 1):
             ranges = [get_pp_indices(layers, r, pp) for r in range(pp)]
             assert ranges[0][0] == 0 and ranges[-1][1] == layers
-            assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(ranges))
     with pytest.raises(ValueError, match="pipeline_parallel_size 4"):
         get_pp_indices(3, 0, 4)
 
@@ -183,7 +184,7 @@ def test_stopped_worker_is_reported_within_seconds(tp2):
 
 
 def test_worker_that_does_not_answer_is_reported_after_the_timeout(tmp_path_factory, monkeypatch):
-    import tidal.worker.executor as executor
+    from tidal.worker import executor
     monkeypatch.setenv("TIDAL_EXECUTE_TIMEOUT_S", "1")
     # starting a worker (python, torch, the shard) takes longer than 1 s: it does not answer in time
     monkeypatch.setattr(executor, "_INIT_TIMEOUT_S", 1.0)
