@@ -136,24 +136,31 @@ LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 def _budget(llm: LLM, num_slots: int, kv_tokens: int) -> int:
     """A cache budget that yields num_slots state slots (half the budget at most goes to state when
-    attention shares it) and then about kv_tokens tokens of KV."""
+    attention shares it) and then about kv_tokens tokens of KV, for an engine configured as llm."""
     runner = llm.llm_engine.runner
     state, kv = runner.state_bytes_per_request(), runner.kv_bytes_per_token()
+    if llm.llm_engine.scheduler.state_checkpoints is not None:
+        state *= 2  # prefix caching: one state checkpoint per slot
     if state and kv:
         return max(2 * num_slots * state, num_slots * state + kv_tokens * kv)
     return num_slots * state if state else kv_tokens * kv
 
 
-def test_preempted_jamba_run_equals_unconstrained_run(tmp_path):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preempted_jamba_run_equals_unconstrained_run(tmp_path, prefix_caching):
     path = str(tmp_path)
     save_tiny_hybrid("jamba", path)
-    ref, llm = run(path, PROMPTS, LONG, kv_cache_memory_bytes=8 << 20)
-    # 3 state slots and 49 blocks (196 tokens) of KV: three running requests of up to 85 tokens
-    # outgrow the blocks, so the newest is preempted (slot and blocks freed) and recomputed later.
-    outs, small = run(path, PROMPTS, LONG, kv_cache_memory_bytes=_budget(llm, 3, 196))
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    engine = {"max_model_len": 256, "enable_prefix_caching": prefix_caching}
+    ref, llm = run(path, PROMPTS, params, kv_cache_memory_bytes=8 << 20, **engine)
+    # 3 state slots and 260-396 tokens of KV: three running requests of up to 165 tokens outgrow
+    # the blocks, so the newest is preempted (slot and blocks freed) and recomputed later (with
+    # prefix caching, from its own prompt's state checkpoint).
+    outs, small = run(path, PROMPTS, params, kv_cache_memory_bytes=_budget(llm, 3, 260), **engine)
     assert small.llm_engine.scheduler.state_pool.num_slots == 3
-    assert small.llm_engine.kv_plan.num_blocks < 64
     assert small.llm_engine.scheduler.num_preemptions > 0
+    if prefix_caching:  # recomputes resumed from their prompts' checkpoints
+        assert small.llm_engine.scheduler.state_checkpoints.num_hits > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     pool = small.llm_engine.scheduler.state_pool
     assert pool.num_free_slots == pool.num_slots
@@ -179,18 +186,60 @@ def test_mamba_run_with_two_state_slots_equals_unconstrained_run(tmp_path):
 
 # -- engine set-up ------------------------------------------------------------------------------------
 
-def test_hybrid_start_up_disables_prefix_caching_and_logs_the_cache_plan(tmp_path, caplog):
+def test_hybrid_start_up_logs_the_cache_plan(tmp_path, caplog):
     path = str(tmp_path)
     save_tiny_hybrid("jamba", path)
     with caplog.at_level(logging.INFO):
-        llm = LLM(path, enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20, **ENGINE)
-    assert "Prefix caching is disabled" in caplog.text
+        llm = LLM(path, kv_cache_memory_bytes=4 << 20, **ENGINE)
     assert "512 bytes per token" in caplog.text and "33792 bytes per request" in caplog.text
-    assert not llm.llm_engine.kv_manager.enable_caching
-    # a repeated prompt is recomputed, not served from cached KV without its Mamba state
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, GREEDY, use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
-    assert outs[1].num_cached_tokens == 0
+    assert "Prefix caching with Mamba layers" in caplog.text
+    pool, checkpoints = llm.llm_engine.scheduler.state_pool, llm.llm_engine.scheduler.state_checkpoints
+    assert checkpoints.num_checkpoints == pool.num_slots
+    assert llm.llm_engine.runner.mamba_layers[0].ssm_state.shape[0] == 2 * pool.num_slots
+
+
+PC_PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+
+
+def _one_at_a_time(llm: LLM, prompts: list[list[int]]) -> list:
+    return [llm.generate([{"prompt_token_ids": p}], PC_PARAMS, use_tqdm=False)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["jamba", "mamba"])
+def test_prefix_cache_hits_restore_the_mamba_state(kind, tmp_path):
+    """A repeated prompt, an extended prompt (a conversation's next turn) and a shorter one after a
+    34-token prompt: hits stop at the checkpoint (the prompt's last full 4-token block, 32 tokens),
+    and every output equals the engine without prefix caching and transformers."""
+    path = str(tmp_path)
+    hf = save_tiny_hybrid(kind, path)
+    base = PROMPTS[4]
+    assert len(base) == 34
+    prompts = [base, base + [11, 12, 13, 14, 15, 16, 17], base[:20], base]
+    engine = {**ENGINE, "kv_cache_memory_bytes": 4 << 20, "max_num_batched_tokens": 64}
+    ref = _one_at_a_time(LLM(path, enable_prefix_caching=False, **engine), prompts)
+    llm = LLM(path, enable_prefix_caching=True, **engine)
+    outs = _one_at_a_time(llm, prompts)
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 0, 32]
+    assert llm.llm_engine.scheduler.state_checkpoints.num_hits == 2
+    for o, r, p in zip(outs, ref, prompts):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob) < 1e-5
+        expected = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+        assert o.outputs[0].token_ids == expected.tolist()
+    llm.llm_engine.scheduler.state_checkpoints.check_invariants()
+
+
+def test_identical_prompts_in_one_step_do_not_read_an_unwritten_checkpoint(tmp_path):
+    path = str(tmp_path)
+    save_tiny_hybrid("jamba", path)
+    llm = LLM(path, enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20,
+              **{**ENGINE, "max_num_batched_tokens": 256})
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[4]}] * 3, PC_PARAMS, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # the checkpoint is written by that step
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    later = _one_at_a_time(llm, [PROMPTS[4]])[0]
+    assert later.num_cached_tokens == 32 and later.outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
 def test_abort_returns_the_state_slot(tmp_path):

@@ -35,11 +35,14 @@ def test_batched_scan_matches_per_token_recurrence(monkeypatch, block_elems):
     h0 = torch.randn(R, D_INNER, N, generator=g)
     ref_y, ref_h = _reference_scan(dt, dtx, A, B, C, h0)
     _, h_at_7 = _reference_scan(dt[:7], dtx[:7], A, B[:7], C[:7], h0)
+    _, h_at_4 = _reference_scan(dt[:4], dtx[:4], A, B[:4], C[:4], h0)
     h = h0.clone()
-    y = selective_scan(dt, dtx, A, B, C, h)
+    y, (snap_4, snap_7) = selective_scan(dt, dtx, A, B, C, h, [(3, 0), (6, 1)])
     torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h[1], h_at_7[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snap_4, h_at_4[0], rtol=1e-5, atol=1e-5)  # states mid-chunk, for checkpoints
+    torch.testing.assert_close(snap_7, h_at_7[1], rtol=1e-5, atol=1e-5)
 
 
 def _mixer(jamba_norms: bool = True) -> MambaMixer:

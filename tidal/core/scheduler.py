@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.state_checkpoints import StateCheckpoints
 from tidal.core.state_pool import StatePool
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
@@ -38,6 +39,8 @@ class ScheduledRequest:
     want_prompt_logprobs: bool = False
     prompt_token_ids: list[int] | None = None  # only when prompt logprobs are wanted
     state_slot: int | None = None
+    state_restore_from: int | None = None  # copy this Mamba state checkpoint into state_slot first
+    state_checkpoint: tuple[int, int] | None = None  # (after how many of token_ids, into which index)
 
 
 @dataclass
@@ -54,9 +57,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, state_pool: StatePool | None = None) -> None:
+                 max_model_len: int, state_pool: StatePool | None = None,
+                 state_checkpoints: StateCheckpoints | None = None) -> None:
         self.kv = kv_cache_manager
         self.state_pool = state_pool
+        self.state_checkpoints = state_checkpoints  # prefix caching with Mamba layers
+        self._state_restores: dict[str, int] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -96,6 +102,8 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.commit()
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
@@ -123,6 +131,11 @@ class Scheduler:
             if self.state_pool is not None and self.state_pool.num_free_slots == 0:
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+            restore = None
+            if self.state_checkpoints is not None and computed_blocks:  # a hit needs the Mamba state too
+                n, restore = self.state_checkpoints.lookup(self.kv.req_to_hashes[request.request_id],
+                                                           len(computed_blocks))
+                computed_blocks, num_cached = computed_blocks[:n], n * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
@@ -132,6 +145,8 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             if self.state_pool is not None:
                 request.state_slot = self.state_pool.allocate(request.request_id)
+            if restore is not None:
+                self._state_restores[request.request_id] = restore
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
@@ -162,7 +177,22 @@ class Scheduler:
             want_prompt_logprobs=want_plp,
             prompt_token_ids=request.prompt_token_ids if want_plp else None,
             state_slot=request.state_slot,
+            state_restore_from=self._state_restores.pop(request.request_id, None),
+            state_checkpoint=self._state_checkpoint(request, num_new),
         )
+
+    def _state_checkpoint(self, request: Request, num_new: int) -> tuple[int, int] | None:
+        """Checkpoint the Mamba state at the prompt's last full block before its final token, in the
+        multi-token chunk that reaches it (see StateCheckpoints)."""
+        if self.state_checkpoints is None or num_new < 2:
+            return None
+        bs, start = self.kv.block_size, request.num_computed_tokens
+        boundary = (request.num_prompt_tokens - 1) // bs * bs
+        hashes = self.kv.req_to_hashes.get(request.request_id, [])
+        if not start < boundary <= start + num_new or len(hashes) < boundary // bs:
+            return None
+        index = self.state_checkpoints.reserve(hashes[boundary // bs - 1])
+        return None if index is None else (boundary - start, index)
 
     def _preempt(self, request: Request) -> None:
         self._release(request)

@@ -14,6 +14,7 @@ import time
 from tidal.config import EngineConfig
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
+from tidal.core.state_checkpoints import StateCheckpoints
 from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.stats import EngineStats
@@ -51,17 +52,16 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
             self.executor = UniProcExecutor(self.runner)
-        state_pool, kv_budget = self._plan_state(config.kv_cache_memory_bytes)
+        state_pool, checkpoints, kv_budget = self._plan_state(config.kv_cache_memory_bytes)
         plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len, kv_budget)
         if state_pool is not None and not plan.bytes_per_token:  # no attention: blocks are bookkeeping only,
             plan.num_blocks = max(plan.num_blocks,  # so they must never be what runs out
                                   state_pool.num_slots * -(-self.max_model_len // config.block_size))
         self.runner.allocate_kv_cache(plan.num_blocks)
         self.kv_plan = plan
-        prefix_caching = config.enable_prefix_caching and state_pool is None
-        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, prefix_caching)
+        self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len, state_pool=state_pool)
+                                   self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints)
         if state_pool is not None:
             self._log_hybrid_plan(plan, state_pool)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -74,20 +74,25 @@ class LLMEngine:
                     plan.num_tokens / self.max_model_len)
 
     # -- setup helpers ---------------------------------------------------------------------------
-    def _plan_state(self, budget: int | None) -> tuple[StatePool | None, int | None]:
+    def _plan_state(self, budget: int | None):
         """Models with Mamba layers: state slots (one per running request) come out of the same
-        budget as the KV cache. Returns (the pool or None, the budget left for the KV cache)."""
+        budget as the KV cache; with prefix caching, as many again hold state checkpoints (see
+        tidal/core/state_checkpoints.py). Returns (pool, checkpoints, budget left for the KV cache)."""
         state_bytes = getattr(self.runner, "state_bytes_per_request", lambda: 0)()
         if not state_bytes:
-            return None, budget
+            return None, None, budget
         budget = cache_budget_bytes(budget)
-        num_slots = plan_state_slots(state_bytes, self.config.max_num_seqs, budget,
+        per_slot = state_bytes * (2 if self.config.enable_prefix_caching else 1)
+        num_slots = plan_state_slots(per_slot, self.config.max_num_seqs, budget,
                                      self.runner.kv_bytes_per_token() > 0)
-        self.runner.allocate_state(num_slots)
+        checkpoints = None
         if self.config.enable_prefix_caching:
-            logger.info("Prefix caching is disabled for this model: its Mamba layers' recurrent state cannot be "
-                        "restored from cached attention KV blocks, so a prefix hit would give wrong outputs")
-        return StatePool(num_slots), budget - num_slots * state_bytes
+            checkpoints = StateCheckpoints(first_index=num_slots, num_checkpoints=num_slots)
+            logger.info("Prefix caching with Mamba layers: a hit restores attention KV and a checkpoint of the "
+                        "Mamba state (%d checkpoints of %d bytes, taken at each prompt's last full block)",
+                        num_slots, state_bytes)
+        self.runner.allocate_state(num_slots * (2 if checkpoints else 1))
+        return StatePool(num_slots), checkpoints, budget - num_slots * per_slot
 
     def _log_hybrid_plan(self, plan, pool: StatePool) -> None:
         state_bytes = self.runner.state_bytes_per_request()
@@ -224,6 +229,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         self.kv_manager.reset_prefix_cache()
+        if self.scheduler.state_checkpoints is not None:
+            self.scheduler.state_checkpoints.reset()
         return True
 
     def check_health(self) -> None:

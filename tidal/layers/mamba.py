@@ -130,7 +130,8 @@ class MambaMixer(nn.Module):
         if T > nd:
             starts = meta.query_start_loc[nd:]
             lens = [b - a for a, b in pairwise(starts)]
-            y[nd:] = self._prefill(xs[nd:], lens, slots[nd:], fresh[nd:])
+            checkpoints = [(i - nd, t, index) for i, t, index in meta.state_checkpoints or ()]
+            y[nd:] = self._prefill(xs[nd:], lens, slots[nd:], fresh[nd:], checkpoints)
         y = y * F.silu(gate.float())
         return self.out_proj(y.to(hidden.dtype))
 
@@ -160,8 +161,11 @@ class MambaMixer(nn.Module):
         self.ssm_state[slots] = h
         return torch.bmm(h, C.unsqueeze(-1)).squeeze(-1) + xf * self.D.float()
 
-    def _prefill(self, x: torch.Tensor, lens: list[int], slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        """Chunks of R requests, flat x [sum(lens), d_inner] -> scan output before gating, fp32."""
+    def _prefill(self, x: torch.Tensor, lens: list[int], slots: torch.Tensor, fresh: torch.Tensor,
+                 checkpoints: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+        """Chunks of R requests, flat x [sum(lens), d_inner] -> scan output before gating, fp32.
+        checkpoints: (request r, t, state index): also save r's state after its first t tokens there
+        (prefix caching, see tidal/core/state_checkpoints.py)."""
         R, L, K1, d = len(lens), max(lens), self.d_conv - 1, self.d_inner
         lens_t = torch.tensor(lens)
         req = torch.repeat_interleave(torch.arange(R), lens_t)                  # [Tp] request of each token
@@ -173,6 +177,8 @@ class MambaMixer(nn.Module):
         xpad[req, :, K1 + off] = x
         last = (lens_t[:, None] + torch.arange(K1)).unsqueeze(1).expand(R, d, K1)
         self.conv_state[slots] = xpad.gather(2, last)  # the chunk's last K-1 inputs (incl. cached ones)
+        for r, t, index in checkpoints:
+            self.conv_state[index] = xpad[r, :, t:t + K1]  # the K-1 inputs before token t
         conv = F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=d)  # [R, d, L]
         xc = F.silu(conv)[req, :, off]  # [Tp, d] flat again
         dt, B, C = self._ssm_inputs(xc)
@@ -185,22 +191,25 @@ class MambaMixer(nn.Module):
         dt_p[off, req], dtx_p[off, req] = dt, dt * xf
         B_p[off, req], C_p[off, req] = B, C
         h = self.ssm_state[slots].masked_fill(fresh[:, None, None], 0)  # [R, d, N]
-        y_p = selective_scan(dt_p, dtx_p, self._A(), B_p, C_p, h)
+        y_p, snaps = selective_scan(dt_p, dtx_p, self._A(), B_p, C_p, h, [(t - 1, r) for r, t, _ in checkpoints])
         self.ssm_state[slots] = h
+        for (_, _, index), state in zip(checkpoints, snaps):
+            self.ssm_state[index] = state
         return y_p[off, req] + xf * self.D.float()
 
 
 def selective_scan(dt: torch.Tensor, dtx: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   h: torch.Tensor) -> torch.Tensor:
+                   h: torch.Tensor, snapshots: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list]:
     """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t;  y_t = h_t . C_t, for R requests at once.
 
     dt, dtx [L, R, d]; A [d, N]; B, C [L, R, N]; h [R, d, N] fp32, updated in place to the final state.
-    Returns y [L, R, d]."""
+    Returns y [L, R, d] and, for each (t, r) in snapshots, a copy of request r's state h_t [d, N]."""
     L, R, d = dt.shape
     N = A.shape[1]
     y = dt.new_empty(L, R, d)
     step = max(1, _SCAN_BLOCK_ELEMS // (R * d * N))
     state = h
+    taken: list = [None] * len(snapshots)
     for s in range(0, L, step):
         e = min(L, s + step)
         dA = torch.exp(dt[s:e].unsqueeze(-1) * A)                     # [t, R, d, N]
@@ -210,5 +219,8 @@ def selective_scan(dt: torch.Tensor, dtx: torch.Tensor, A: torch.Tensor, B: torc
             state = torch.addcmul(dBx[t], dA[t], state, out=states[t])
         # y[t, r, i] = sum_n states[t, r, i, n] * C[t, r, n]
         y[s:e] = torch.matmul(states, C[s:e].unsqueeze(-1)).squeeze(-1)
+        for i, (t, r) in enumerate(snapshots):
+            if s <= t < e:
+                taken[i] = states[t - s, r].clone()
     h.copy_(state)
-    return y
+    return y, taken

@@ -63,6 +63,15 @@ class ModelRunner:
         for m in self.mamba_layers:
             m.allocate_state(num_slots)
 
+    def _restore_states(self, reqs: list[ScheduledRequest]) -> None:
+        """Prefix-cache hits on Mamba models: copy each hit's state checkpoint into its slot."""
+        pairs = [(r.state_slot, r.state_restore_from) for r in reqs if r.state_restore_from is not None]
+        if pairs:
+            dst, src = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+            for m in self.mamba_layers:
+                m.conv_state[dst] = m.conv_state[src]
+                m.ssm_state[dst] = m.ssm_state[src]
+
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -73,6 +82,7 @@ class ModelRunner:
             return out
         reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first (stable)
         meta, input_ids, positions = self._prepare(reqs)
+        self._restore_states(reqs)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
 
@@ -122,6 +132,7 @@ class ModelRunner:
             prefills=prefills, query_start_loc=query_start_loc,
             state_slots=(torch.tensor(slots, dtype=torch.long) if any(s is not None for s in slots) else None),
             has_initial_state=torch.tensor([r.start_pos > 0 for r in reqs]),
+            state_checkpoints=[(i, *r.state_checkpoint) for i, r in enumerate(reqs) if r.state_checkpoint] or None,
         )
         return meta, input_ids, positions
 

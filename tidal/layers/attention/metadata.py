@@ -29,3 +29,5 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     # per request: does this chunk start at position 0 (fresh recurrent state)?
     has_initial_state: torch.Tensor | None = None
+    # Mamba state checkpoints to write: (request index in batch, after how many of its tokens, state index)
+    state_checkpoints: list[tuple[int, int, int]] | None = None
