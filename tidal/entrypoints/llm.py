@@ -50,7 +50,8 @@ class LLM:
             engine.process_prompt(p)
         for sp in params:
             if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+                # ValueError, as for every other bad input of this API (vLLM does the same)
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")  # noqa: TRY004
         ids = []
         for prompt, sp in zip(prompts, params):
             rid = engine.next_request_id()

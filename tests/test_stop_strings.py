@@ -1,0 +1,182 @@
+"""Stop strings and detokenization with the real tokenizer (SmolLM2's byte-level BPE).
+
+A stop string ends the output exactly where it starts (or just after it with
+include_stop_str_in_output), wherever it falls relative to token boundaries. When streaming, no
+piece ever shows text that is later taken back (a stop string is never split across pieces), and the
+pieces add up to the final text. IncrementalDetokenizer gives the same text as a full decode,
+multi-byte characters (emoji, CJK) included."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tidal import SamplingParams
+from tidal.tokenizer import IncrementalDetokenizer, check_stop_strings
+
+MAX_TOKENS = 40
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def reference(_smollm2_session):
+    """The greedy text without stop strings, and where each token's text ends in it."""
+    llm = _smollm2_session
+    tok = llm.get_tokenizer()
+    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)[0]
+    text, ids = out.outputs[0].text, out.outputs[0].token_ids
+    ends = [len(tok.decode(ids[:i + 1], skip_special_tokens=True)) for i in range(len(ids))]
+    assert text == tok.decode(ids, skip_special_tokens=True) and len(text) > 60
+    return out.prompt_token_ids, text, ends
+
+
+def stop_cases(text: str, ends: list[int]) -> dict[str, str]:
+    """Stop strings at different places: inside one token, across a token boundary, one character,
+    and a long one across several tokens."""
+    boundary = next(e for e in ends if e > 20 and text[e - 2:e + 2].strip() == text[e - 2:e + 2])
+    word = next(w for w in text[15:].split() if len(w) >= 4 and w.isalpha())
+    return {
+        "word": word,
+        "across-boundary": text[boundary - 2:boundary + 2],
+        "one-char": next(c for c in text[10:] if c in ",.\n"),
+        "several-tokens": text[ends[6]:ends[12]],
+    }
+
+
+def expected(text: str, stop: str, include: bool) -> str:
+    idx = text.index(stop)
+    return text[:idx + len(stop)] if include else text[:idx]
+
+
+def stream(engine, request_id: str, prompt, params: SamplingParams):
+    """Run one request through LLMEngine with delta outputs; return (text pieces, all token ids,
+    final RequestOutput)."""
+    engine.add_request(request_id, prompt, params.clone(output_kind="delta"))
+    pieces, token_ids, final = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == request_id
+            pieces.append(out.outputs[0].text if out.outputs else "")
+            token_ids.extend(out.outputs[0].token_ids if out.outputs else [])
+            if out.finished:
+                final = out
+    return pieces, token_ids, final
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include"])
+@pytest.mark.parametrize("case", ["word", "across-boundary", "one-char", "several-tokens"])
+def test_stop_string_ends_output_where_it_starts(smollm2, reference, case, include):
+    prompt_ids, text, ends = reference
+    stop = stop_cases(text, ends)[case]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=include)
+    out = smollm2.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].outputs[0]
+    assert out.text == expected(text, stop, include)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < MAX_TOKENS
+
+
+def test_first_completed_of_several_stop_strings_wins(smollm2, reference):
+    """As in vLLM, the output stops at the first stop string to be completed (a longer one that
+    would have started earlier is not complete yet when a shorter one ends)."""
+    prompt_ids, text, ends = reference
+    cases = stop_cases(text, ends)
+    stops = [cases["several-tokens"], cases["word"], cases["one-char"], "never-generated-zzz"]
+    first = min(stops[:3], key=lambda s: (text.index(s) + len(s), text.index(s)))
+    out = smollm2.generate({"prompt_token_ids": prompt_ids}, SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=stops), use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(first)] and out.stop_reason == first
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut", "include"])
+@pytest.mark.parametrize("case", ["across-boundary", "several-tokens"])
+def test_streamed_pieces_never_show_a_stop_string_that_is_taken_back(smollm2, reference, case, include):
+    prompt_ids, text, ends = reference
+    stop = stop_cases(text, ends)[case]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=include)
+    pieces, _, final = stream(smollm2.llm_engine, f"stream-{case}-{include}", {"prompt_token_ids": prompt_ids},
+                           params)
+    want = expected(text, stop, include)
+    assert final is not None and final.outputs[0].finish_reason == "stop"
+    assert "".join(pieces) == want
+    shown = ""
+    for piece in pieces:
+        shown += piece
+        assert want.startswith(shown), f"streamed {shown!r}, which the final text {want!r} takes back"
+    if include:  # the stop string arrives whole, in one piece
+        assert any(stop in p for p in pieces)
+    assert len(pieces) > 3  # it really streamed
+
+
+def test_streaming_without_stop_strings_adds_up_to_the_full_text(smollm2, reference):
+    prompt_ids, text, _ = reference
+    pieces, ids, final = stream(smollm2.llm_engine, "stream-plain", {"prompt_token_ids": prompt_ids},
+                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert "".join(pieces) == text
+    assert len(ids) == MAX_TOKENS and final.outputs[0].finish_reason == "length"
+
+
+def test_cumulative_outputs_grow_by_prefixes(smollm2, reference):
+    prompt_ids, text, ends = reference
+    stop = stop_cases(text, ends)["across-boundary"]
+    engine = smollm2.llm_engine
+    engine.add_request("cumulative", {"prompt_token_ids": prompt_ids}, SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop], output_kind="cumulative"))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts.extend(o.outputs[0].text for o in engine.step())
+    assert texts[-1] == expected(text, stop, False)
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+
+
+# -- detokenization --------------------------------------------------------------------------------------
+MULTIBYTE = [
+    "Hello 😊 world! 你好，世界。 Ça va? naïve café 🇫🇷 👨‍👩‍👧‍👦 ∑∫√ end",
+    "日本語のテキストと絵文字🎉🎉🎉が混ざった文章です。",
+    "  leading spaces, tabs\tand\nnewlines  ",
+]
+
+
+@pytest.mark.parametrize("text", MULTIBYTE, ids=["mixed", "cjk-emoji", "whitespace"])
+@pytest.mark.parametrize("with_prompt", [False, True], ids=["no-prompt", "prompt"])
+def test_incremental_detokenizer_equals_full_decode(_smollm2_session, text, with_prompt):
+    tok = _smollm2_session.get_tokenizer()
+    ids = tok.encode(text)
+    prompt = tok.encode("Some context before the output:") if with_prompt else []
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces), "a piece holds half a character"
+    assert sum(1 for p in pieces if p == "") > 0 or text.isascii()  # multi-byte characters spanned tokens
+
+
+def test_incremental_detokenizer_skips_special_tokens(_smollm2_session):
+    tok = _smollm2_session.get_tokenizer()
+    ids = tok.encode("Hi there") + [tok.eos_token_id] + tok.encode(" 你好")
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    assert "".join(detok.add(t) for t in ids) == tok.decode(ids, skip_special_tokens=True)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(detok.add(t) for t in ids) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_engine_text_equals_decode_for_multibyte_output(smollm2):
+    tok = smollm2.get_tokenizer()
+    # SmolLM2 answers this with emoji (4-byte characters split across byte-level tokens).
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "Say hello in Spanish."}], tokenize=True,
+                                          add_generation_prompt=True, return_dict=False))
+    pieces, ids, _ = stream(smollm2.llm_engine, "multibyte", {"prompt_token_ids": prompt},
+                                SamplingParams(temperature=0, max_tokens=16))
+    text = "".join(pieces)
+    assert any(not c.isascii() for c in text)
+    assert not any("\ufffd" in p for p in pieces)
+    # 16 tokens end inside an emoji: its incomplete bytes are never shown (a full decode shows U+FFFD)
+    assert text == tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_check_stop_strings_looks_only_at_new_text():
+    assert check_stop_strings("abc STOP def", 4, ["STOP"], False) is None  # the stop ended earlier
+    assert check_stop_strings("abc STOP", 2, ["STOP"], False) == ("STOP", 4)
+    assert check_stop_strings("abc STOP", 2, ["STOP"], True) == ("STOP", 8)
+    assert check_stop_strings("xx abcd", 3, ["cd", "ab"], False) == ("ab", 3)  # earliest start wins
+    assert check_stop_strings("anything", 3, [], False) is None
