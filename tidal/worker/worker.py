@@ -128,7 +128,7 @@ def split_batch(so: SchedulerOutput, num_parts: int) -> list[SchedulerOutput]:
     reqs = so.scheduled
     n = min(num_parts, len(reqs))
     if n <= 1:
-        return [SchedulerOutput(list(reqs), so.num_batched_tokens, so.preempted_ids, so.finished_ids)]
+        return [dataclasses.replace(so, scheduled=list(reqs))]
     total = sum(len(r.token_ids) for r in reqs)
     parts, current, seen = [], [], 0
     for i, r in enumerate(reqs):
@@ -141,5 +141,6 @@ def split_batch(so: SchedulerOutput, num_parts: int) -> list[SchedulerOutput]:
             current = []
     parts.append(current)
     # finished_ids (runner state to drop) travel with the first part only
-    return [SchedulerOutput(p, sum(len(r.token_ids) for r in p), so.preempted_ids if i == 0 else [],
-                            so.finished_ids if i == 0 else []) for i, p in enumerate(parts) if p]
+    return [dataclasses.replace(so, scheduled=p, num_batched_tokens=sum(len(r.token_ids) for r in p),
+                                preempted_ids=so.preempted_ids if i == 0 else [],
+                                finished_ids=so.finished_ids if i == 0 else []) for i, p in enumerate(parts) if p]
