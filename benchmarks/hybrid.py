@@ -23,6 +23,7 @@ import torch
 
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
 from tidal.forward_context import set_forward_context
+from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.models.jamba import JambaAttention, JambaForCausalLM
 from tidal.sampling_params import SamplingParams
@@ -92,7 +93,7 @@ def layer_prefill_tok_s(layer: torch.nn.Module, hidden: int, tokens: int, repeat
         layer.allocate_state(1)
     else:
         a = layer.attn
-        a.kv_cache = torch.zeros(2, num_blocks, BLOCK, a.num_kv_heads, a.head_dim)
+        a.kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, a.num_kv_heads, a.head_dim))
     meta = AttentionMetadata(
         num_tokens=tokens, slot_mapping=torch.arange(tokens), block_size=BLOCK, num_decodes=0,
         decode_block_tables=None, decode_seq_lens=None, decode_max_seq_len=0,

@@ -15,6 +15,7 @@ import torch
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
 from tidal.forward_context import set_forward_context
 from tidal.layers.attention import Attention, AttentionMetadata
+from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
 
@@ -51,8 +52,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         for a in self.attn_layers:
-            # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-            a.kv_cache = torch.zeros(2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+            a.kv_cache = torch.zeros(kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
                                      dtype=self.dtype)
 
     # -- Mamba state (one slot per running request; a chunk at position 0 starts from zero state) --

@@ -66,7 +66,7 @@ def native_lib() -> ctypes.CDLL | None:
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q [B, Hq, D] over each request's cached K/V ([num_blocks, block_size, Hk, D] caches).
+    """q [B, Hq, D] over each request's cached K/V (layouts of layer.split_kv_cache).
     Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
     lib = native_lib()
     if lib is None or q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
@@ -78,6 +78,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     B, Hq, D = q.shape
     lib.tidal_paged_attention_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        out.data_ptr(), B, Hq, k_cache.shape[2], D, k_cache.shape[1], block_tables.shape[1], scale,
+        out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
         _DTYPES[q.dtype], torch.get_num_threads())
     return out

@@ -2,8 +2,11 @@
 layer's KV cache at `slot_mapping`, then attends through block tables. The torch backend below runs
 on CPU (and anywhere torch does); a GPU backend implements the same two functions.
 
-KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]. Decodes use the native
-CPU kernel (cpu_kernels.py) when it is available, reading K/V in place; the torch path gathers them.
+KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`).
+V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
+so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
+without horizontal sums. Decodes use the native CPU kernel (cpu_kernels.py) when it is available,
+reading K/V in place; the torch path gathers them.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = self.kv_cache[0], self.kv_cache[1]
+        k_cache, v_cache = split_kv_cache(self.kv_cache)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
@@ -46,34 +49,47 @@ class Attention(nn.Module):
         for q_start, q_len, ctx_len, block_ids in meta.prefills:
             qs = q[q_start:q_start + q_len]
             if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache
-                ks, vs = k[q_start:q_start + q_len], v[q_start:q_start + q_len]
+                ks = k[q_start:q_start + q_len].transpose(0, 1)
+                vs = v[q_start:q_start + q_len].transpose(0, 1)
             else:
                 ks, vs = gather_kv(k_cache, v_cache, block_ids, ctx_len + q_len)
             out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, self.scale)
         return out.view(T, -1)
 
 
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+    return (2, num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def split_kv_cache(kv_cache: torch.Tensor):
+    """-> K [num_blocks, Hk, D, block_size] (transposed blocks), V [num_blocks, Hk, block_size, D]."""
+    _, num_blocks, hk, block_size, d = kv_cache.shape
+    return kv_cache[0].view(num_blocks, hk, d, block_size), kv_cache[1]
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hk, D]
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
+    """Store this step's k/v [T, Hk, D] at their slots (slot = block * block_size + offset)."""
+    block_size = v_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
 
 
 def gather_kv(k_cache, v_cache, block_ids: torch.Tensor, seq_len: int):
-    """A request's first seq_len K/V rows, [seq_len, Hk, D] each."""
-    ks = k_cache[block_ids].flatten(0, 1)[:seq_len]
-    vs = v_cache[block_ids].flatten(0, 1)[:seq_len]
+    """A request's first seq_len K/V rows, [Hk, seq_len, D] each."""
+    hk, d = v_cache.shape[1], v_cache.shape[3]
+    ks = k_cache[block_ids].permute(1, 0, 3, 2).reshape(hk, -1, d)[:, :seq_len]
+    vs = v_cache[block_ids].permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :seq_len]
     return ks, vs
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
                       scale: float) -> torch.Tensor:
-    """Causal attention of q [Lq, Hq, D] over k/v [ctx_len + Lq, Hk, D]; query i sits at position
+    """Causal attention of q [Lq, Hq, D] over k/v [Hk, ctx_len + Lq, D]; query i sits at position
     ctx_len + i (bottom-right aligned causal mask)."""
-    Lq, Lk = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
+    Lq, Lk = q.shape[0], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k, v  # [H, L, D]
     gqa = qh.shape[0] != kh.shape[0]
     if ctx_len == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -85,16 +101,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len
 
 def decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      max_seq_len: int, scale: float) -> torch.Tensor:
-    """One query token per request: q [B, Hq, D] over each request's cached K/V."""
+    """One query token per request: q [B, Hq, D] over each request's cached K/V (torch fallback of
+    the native kernel: gathers the blocks, then attends with a padding mask)."""
     B, Hq, D = q.shape
-    Hk = k_cache.shape[2]
-    block_size = k_cache.shape[1]
+    _, Hk, block_size, _ = v_cache.shape
     nb = -(-max_seq_len // block_size)
     bt = block_tables[:, :nb]
-    ks = k_cache[bt].view(B, nb * block_size, Hk, D).transpose(1, 2)  # [B, Hk, L, D]
-    vs = v_cache[bt].view(B, nb * block_size, Hk, D).transpose(1, 2)
     L = nb * block_size
-    mask = torch.arange(L).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+    ks = k_cache[bt].permute(0, 2, 1, 4, 3).reshape(B, Hk, L, D)  # [B, Hk, L, D]
+    vs = v_cache[bt].permute(0, 2, 1, 3, 4).reshape(B, Hk, L, D)
+    mask = torch.arange(L) < seq_lens.unsqueeze(1)  # [B, L]
     qh = q.view(B, Hk, Hq // Hk, D)  # the query heads of each KV group act as query rows
     o = F.scaled_dot_product_attention(qh, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(B, Hq, D)

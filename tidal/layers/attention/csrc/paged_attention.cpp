@@ -71,82 +71,139 @@ template <int DT> static inline __m512 load16(const void* p, int64_t i) {
 constexpr int64_t kMaxGroup = 8;   // query heads per KV head kept in registers
 constexpr int64_t kMaxChunks = 8;  // head_dim / 16
 
+// Cache layout per layer (one block = block_size tokens):
+//   K [num_blocks, Hk, D, block_size]  (transposed: the scores of 16 tokens are one vector FMA chain)
+//   V [num_blocks, Hk, block_size, D]
 template <int DT>
-static void attend_one(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
-                       int64_t h, int64_t G, int64_t Hk, int64_t D, int64_t block_size, float* scores,
-                       float* acc) {
-  auto row = [&](int64_t t) { return ((table[t / block_size] * block_size + t % block_size) * Hk + h) * D; };
-#if defined(__AVX512F__)
-  const bool vec = D % 16 == 0 && D / 16 <= kMaxChunks && G <= kMaxGroup;
-  if (vec) {
-    const int64_t C = D / 16;
-    __m512 qv[kMaxGroup][kMaxChunks];
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
-    for (int64_t t = 0; t < L; ++t) {
-      const int64_t base = row(t);
-      __m512 kv[kMaxChunks];
-      for (int64_t c = 0; c < C; ++c) kv[c] = load16<DT>(k_cache, base + c * 16);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[g][c], kv[c], s);
-        scores[g * L + t] = _mm512_reduce_add_ps(s);
-      }
-    }
-  } else
-#endif
-  {
-    for (int64_t t = 0; t < L; ++t) {
-      const int64_t base = row(t);
-      for (int64_t g = 0; g < G; ++g) {
-        float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * load1<DT>(k_cache, base + d);
-        scores[g * L + t] = s;
-      }
+static void scores_generic(const float* qf, const void* k_cache, const int64_t* table, int64_t L, int64_t h,
+                           int64_t G, int64_t Hk, int64_t D, int64_t bs, float* scores) {
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t base = (table[t / bs] * Hk + h) * D * bs + t % bs;
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * load1<DT>(k_cache, base + d * bs);
+      scores[g * L + t] = s;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) { sg[t] = std::exp(sg[t] - m); sum += sg[t]; }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-  }
-#if defined(__AVX512F__)
-  if (vec) {
-    const int64_t C = D / 16;
-    __m512 av[kMaxGroup][kMaxChunks];
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const int64_t base = row(t);
-      __m512 vv[kMaxChunks];
-      for (int64_t c = 0; c < C; ++c) vv[c] = load16<DT>(v_cache, base + c * 16);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * L + t]);
-        for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
-      }
-    }
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, av[g][c]);
-    return;
-  }
-#endif
+}
+
+template <int DT>
+static void accumulate_generic(const float* scores, const void* v_cache, const int64_t* table, int64_t L,
+                               int64_t h, int64_t G, int64_t Hk, int64_t D, int64_t bs, float* acc) {
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t base = row(t);
+    const int64_t base = ((table[t / bs] * Hk + h) * bs + t % bs) * D;
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * L + t] * load1<DT>(v_cache, base + d);
   }
 }
 
+static void softmax_generic(float* s, int64_t L) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+}
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (softmax inputs after subtracting the max): Cody-Waite range reduction and a
+// degree-6 polynomial, ~2 ulp.
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+static void softmax512(float* s, int64_t L) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+  float m = _mm512_reduce_max_ps(mv);
+  for (int64_t u = t; u < L; ++u) m = std::max(m, s[u]);
+  const __m512 mb = _mm512_set1_ps(m);
+  __m512 sv = _mm512_setzero_ps();
+  t = 0;
+  for (; t + 16 <= L; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), mb));
+    _mm512_storeu_ps(s + t, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  float sum = _mm512_reduce_add_ps(sv);
+  for (int64_t u = t; u < L; ++u) { s[u] = std::exp(s[u] - m); sum += s[u]; }
+  const float inv = 1.f / sum;
+  const __m512 iv = _mm512_set1_ps(inv);
+  t = 0;
+  for (; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), iv));
+  for (int64_t u = t; u < L; ++u) s[u] *= inv;
+}
+
+// block_size a multiple of 16: the scores of 16 consecutive tokens accumulate in one register.
+template <int DT>
+static void scores512(const float* qf, const void* k_cache, const int64_t* table, int64_t L, int64_t h,
+                      int64_t G, int64_t Hk, int64_t D, int64_t bs, float* scores) {
+  float tmp[kMaxGroup][16];
+  for (int64_t start = 0; start < L; start += 16) {
+    const int64_t blk = table[start / bs], off = start % bs;
+    const int64_t base = (blk * Hk + h) * D * bs + off;
+    __m512 acc[kMaxGroup];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 k = load16<DT>(k_cache, base + d * bs);
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * D + d]), k, acc[g]);
+    }
+    const int64_t n = std::min<int64_t>(16, L - start);
+    if (n == 16) {
+      for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * L + start, acc[g]);
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        _mm512_storeu_ps(tmp[g], acc[g]);
+        std::copy(tmp[g], tmp[g] + n, scores + g * L + start);
+      }
+    }
+  }
+}
+
+template <int DT>
+static void accumulate512(const float* scores, const void* v_cache, const int64_t* table, int64_t L, int64_t h,
+                          int64_t G, int64_t Hk, int64_t D, int64_t bs, float* out) {
+  const int64_t C = D / 16;
+  __m512 av[kMaxGroup][kMaxChunks];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t base = ((table[t / bs] * Hk + h) * bs + t % bs) * D;
+    __m512 vv[kMaxChunks];
+    for (int64_t c = 0; c < C; ++c) vv[c] = load16<DT>(v_cache, base + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+      for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, av[g][c]);
+}
+#endif
+
 template <int DT>
 static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                    const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                   int64_t block_size, int64_t max_blocks, float scale, int num_threads) {
+                   int64_t bs, int64_t max_blocks, float scale, int num_threads) {
   const int64_t G = Hq / Hk;
+#if defined(__AVX512F__)
+  const bool vec = D % 16 == 0 && D / 16 <= kMaxChunks && G <= kMaxGroup && bs % 16 == 0;
+#endif
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> qf(G * D), acc(G * D), scores;
@@ -154,11 +211,22 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
     for (int64_t item = 0; item < B * Hk; ++item) {
       const int64_t b = item / Hk, h = item % Hk;
       const int64_t L = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
       scores.resize(G * L);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d) * scale;
-      attend_one<DT>(qf.data(), k_cache, v_cache, block_tables + b * max_blocks, L, h, G, Hk, D, block_size,
-                     scores.data(), acc.data());
+#if defined(__AVX512F__)
+      if (vec) {
+        scores512<DT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
+        for (int64_t g = 0; g < G; ++g) softmax512(scores.data() + g * L, L);
+        accumulate512<DT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
+      } else
+#endif
+      {
+        scores_generic<DT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
+        for (int64_t g = 0; g < G; ++g) softmax_generic(scores.data() + g * L, L);
+        accumulate_generic<DT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
+      }
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) store1<DT>(out, (b * Hq + h * G + g) * D + d, acc[g * D + d]);
     }
@@ -166,7 +234,8 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
 }
 
 extern "C" {
-// q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hk, D]; block_tables [B, max_blocks];
+// q [B, Hq, D]; k_cache [num_blocks, Hk, D, block_size]; v_cache [num_blocks, Hk, block_size, D];
+// block_tables [B, max_blocks];
 // seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype: 0 f32, 1 bf16, 2 f16.
 void tidal_paged_attention_decode(const void* q, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* seq_lens, void* out, int64_t B,
