@@ -176,7 +176,7 @@ def test_stop_string_cuts_the_output(client):
     stop = words[len(words) // 2]
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
-    assert r.choices[0].text == base[:base.index(stop)]
+    assert r.choices[0].text == base[:base.index(stop)], (base, stop)
     assert r.choices[0].finish_reason == "stop"
 
 
