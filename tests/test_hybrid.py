@@ -38,11 +38,12 @@ def tiny_hybrid_config(kind: str):
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512)
 
 
-def save_tiny_hybrid(kind: str, path: str, seed: int = 0):
-    """Save a seeded random model of `kind` to path; returns the transformers model (fp32, eval)."""
+def save_tiny_hybrid(kind: str, path: str, seed: int = 0, config=None):
+    """Save a seeded random model of `kind` (or of config) to path; returns the transformers model
+    (fp32, eval)."""
     import transformers
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hybrid_config(kind), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config or tiny_hybrid_config(kind), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
