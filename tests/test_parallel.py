@@ -214,7 +214,8 @@ def test_impossible_layouts_are_refused_before_any_worker_starts(tmp_path_factor
 # -- Ray ----------------------------------------------------------------------------------------------
 def test_ray_tp2_matches_single_process(tmp_path_factory):
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": always a fresh one-machine cluster, whatever a `ray start` left behind
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         path = _model(tmp_path_factory, "ray")
         ref = _generate(LLM(path, **ENGINE))

@@ -5,13 +5,14 @@ gets the sampled tokens back; it never needs to know how many processes sit behi
     MultiprocExecutor   one process per rank, started here (spawn), joined by torch.distributed gloo
                         over 127.0.0.1; each step's batch is pickled once and written to every
                         worker's pipe, and the sampled tokens come back from the last stage's rank 0
-    RayExecutor         the same workers as Ray actors, placed on an existing Ray cluster
+    RayExecutor         the same workers as Ray actors (tidal/worker/ray_executor.py)
 
 Failure handling: the driver waits on the workers' pipes and their process sentinels together, so a
-worker that dies is reported at once, a worker that raises sends its traceback, and one that hangs
-is reported after `TIDAL_EXECUTE_TIMEOUT_S` (default 30 s; a stopped process at once). After a failure the executor refuses
-further work. Worker processes are reaped when the executor is shut down, garbage-collected or the
-interpreter exits, and they exit by themselves when the driver's end of their pipe closes.
+worker that dies is reported at once, a worker that raises sends its traceback, a stopped one is
+reported within a second and one that hangs after `TIDAL_EXECUTE_TIMEOUT_S` (default 30 s). After a
+failure the executor refuses further work. Worker processes are reaped when the executor is shut
+down, garbage-collected or the interpreter exits, and they exit by themselves when the driver's end
+of their pipe closes.
 """
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
 def create_executor(config: EngineConfig, eos_token_id: int | None):
     backend = config.distributed_executor_backend or "mp"
     if backend == "ray":
+        from tidal.worker.ray_executor import RayExecutor
         return RayExecutor(config, eos_token_id)
     return MultiprocExecutor(config, eos_token_id)
 
@@ -343,112 +345,3 @@ def _log_shards(infos) -> None:
         logger.info("worker rank %d (tp %d, pp %d, pid %d): layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
                     info.rank, info.tp_rank, info.pp_rank, info.pid, *info.layers, info.weight_bytes / 1e6,
                     info.load_seconds)
-
-
-# -- Ray -----------------------------------------------------------------------------------------
-def _ray_kill(actors, placement_group) -> None:
-    try:
-        import ray
-        if not ray.is_initialized():
-            return
-        for a in actors:
-            ray.kill(a)
-        if placement_group is not None:
-            ray.util.remove_placement_group(placement_group)
-    except Exception as e:  # noqa: BLE001 - best effort at teardown
-        logger.warning("Ray teardown: %s", e)
-
-
-class RayExecutor(Executor):
-    """Workers as Ray actors, one CPU bundle each, packed onto as few nodes as possible. Uses the
-    cluster this process is connected to, else `ray.init()` (RAY_ADDRESS, or a local instance)."""
-
-    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
-        try:
-            import ray
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError as e:
-            raise ImportError("distributed_executor_backend='ray' needs Ray: pip install ray") from e
-        from tidal.worker.worker import Worker
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
-        self.world = config.tensor_parallel_size * config.pipeline_parallel_size
-        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-        self.timeout_s = execute_timeout_s()
-        self._failed: str | None = None
-        self.actors = []
-        self.placement_group = ray.util.placement_group([{"CPU": 1}] * self.world, strategy="PACK")
-        self._finalizer = weakref.finalize(self, _ray_kill, self.actors, self.placement_group)
-        try:
-            ray.get(self.placement_group.ready(), timeout=self.timeout_s)
-            remote_worker = ray.remote(num_cpus=1)(Worker)
-            threads = _threads_per_worker(self.world)
-
-            for rank in range(self.world):
-                strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-                self.actors.append(remote_worker.options(scheduling_strategy=strategy).remote(
-                    config, rank, eos_token_id, self.timeout_s, threads))
-            # rank 0 hosts the rendezvous, on whichever node Ray placed it
-            init_method = ray.get(self.actors[0].get_rendezvous.remote(), timeout=self.timeout_s)
-            self.worker_infos = self._call("init", init_method, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s))
-        except BaseException:
-            self.shutdown()
-            raise
-        _log_shards(self.worker_infos)
-
-    def _call(self, method: str, *args, timeout_s: float | None = None) -> list:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-        if self._failed:
-            raise WorkerError(f"the workers have failed earlier and cannot run {method}: {self._failed}")
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        index = {ref: r for r, ref in enumerate(refs)}
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        replies, pending = {}, list(refs)
-        while pending:  # take replies as they come, so one failure is seen without waiting on the rest
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                late = sorted(index[p] for p in pending)
-                self._fail(f"worker rank(s) {late} did not answer {method} within {timeout_s:.0f} s")
-            try:
-                replies[index[ready[0]]] = ray.get(ready[0])
-            except RayActorError as e:
-                self._fail(f"worker rank {index[ready[0]]} died: {e}")
-            except (RayTaskError, GetTimeoutError) as e:
-                self._fail(f"worker rank {index[ready[0]]} failed in {method}: {e}")
-        return [replies[r] for r in range(self.world)]
-
-    def _fail(self, why: str):
-        self._failed = why.splitlines()[0]
-        logger.error("worker failure: %s", why)
-        self.shutdown()
-        raise WorkerError(why)
-
-    @property
-    def pids(self) -> list[int]:
-        return [info.pid for info in getattr(self, "worker_infos", [])]
-
-    def execute(self, batch) -> RunnerOutput:
-        return self._call("execute", batch)[self.output_rank]
-
-    def kv_bytes_per_token(self) -> int:
-        return max(self._call("kv_bytes_per_token"))
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._call("allocate_kv_cache", num_blocks)
-
-    def state_bytes_per_request(self) -> int:
-        return max(self._call("state_bytes_per_request"))
-
-    def allocate_state(self, num_slots: int) -> None:
-        self._call("allocate_state", num_slots)
-
-    def check_health(self) -> None:
-        # an actor's calls queue behind its running step, so a ping could not tell slow from dead:
-        # report what the steps have seen (a dead actor fails the next step within seconds)
-        if self._failed:
-            raise WorkerError(self._failed)
-
-    def shutdown(self) -> None:
-        self._finalizer()

@@ -43,6 +43,8 @@ class Worker:
         self.eos_token_id, self.timeout_s, self.num_threads = eos_token_id, timeout_s, num_threads
         self.tp_size, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         self.pp_rank, self.tp_rank = divmod(rank, self.tp_size)
+        # micro-batches per step under pipeline parallelism (1 turns the overlap off, for measuring it)
+        self.num_microbatches = int(os.environ.get("TIDAL_PP_MICROBATCHES", self.pp_size))
         self.is_last_stage = self.pp_rank == self.pp_size - 1
         # the rank whose sampled tokens go back to the driver (every last-stage rank samples the same)
         self.is_output_rank = self.is_last_stage and self.tp_rank == 0
@@ -105,7 +107,7 @@ class Worker:
         from tidal.distributed import wait_pp_sends
         out = RunnerOutput()
         try:
-            for i, part in enumerate(split_batch(so, self.pp_size)):
+            for i, part in enumerate(split_batch(so, self.num_microbatches)):
                 if not self.is_last_stage:  # earlier stages only run their layers: nothing to sample
                     part.scheduled = [dataclasses.replace(r, sample=False, want_prompt_logprobs=False)
                                       for r in part.scheduled]
