@@ -64,7 +64,8 @@ class Worker:
         dtype = next(model.parameters()).dtype
         self.runner = ModelRunner(model, dtype, self.config.block_size, self.config.seed, self.eos_token_id)
         inner = getattr(model, "model", model)
-        layers = (getattr(inner, "start_layer", 0), getattr(inner, "end_layer", -1))
+        layers = (getattr(inner, "start_layer", 0),  # models without stages hold every layer
+                  getattr(inner, "end_layer", getattr(loaded.config, "num_hidden_layers", 0)))
         info = WorkerInfo(self.rank, self.tp_rank, self.pp_rank, layers, loaded.weight_bytes,
                           time.perf_counter() - t0, os.getpid())
         logger.info("rank %d (tp %d/%d, pp %d/%d): layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
@@ -107,7 +108,7 @@ class Worker:
         from tidal.distributed import wait_pp_sends
         out = RunnerOutput()
         try:
-            for i, part in enumerate(split_batch(so, self.num_microbatches)):
+            for part in split_batch(so, self.num_microbatches):
                 if not self.is_last_stage:  # earlier stages only run their layers: nothing to sample
                     part.scheduled = [dataclasses.replace(r, sample=False, want_prompt_logprobs=False)
                                       for r in part.scheduled]
