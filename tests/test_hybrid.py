@@ -288,3 +288,15 @@ def test_seeded_sampling_with_n_and_streaming_is_independent_of_the_batch(tmp_pa
     assert lp_lens == [len(alone[0]), len(alone[1])]
     for toks in alone:
         assert 0 < len(toks) <= 12 and 5 not in toks[:-1]
+
+
+def test_mamba_accepts_a_max_model_len_beyond_its_default(tmp_path):
+    """Mamba has no position embeddings: 2048 is only a default, and a 3,000-token prompt runs (in
+    chunks of 2,048) and continues as transformers does."""
+    path = str(tmp_path)
+    hf = save_tiny_hybrid("mamba", path)
+    llm = LLM(path, dtype="float32", max_model_len=4096, kv_cache_memory_bytes=1 << 20, max_num_seqs=4)
+    prompt = random_prompts(1, 3000, 3000, VOCAB, seed=5)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):]
+    assert out[0].outputs[0].token_ids == expected.tolist()

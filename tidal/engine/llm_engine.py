@@ -111,7 +111,8 @@ class LLMEngine:
             limit = min(limit, window)  # attention over a sliding window is not implemented: stay inside it
         if self.config.max_model_len is None:
             return limit
-        if self.config.max_model_len > limit:
+        if self.config.max_model_len > limit and getattr(hf, "model_type", "") != "mamba":
+            # (Mamba has no positions: 2048 is only its default length, not a limit)
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit} "
                              "positions")
         return self.config.max_model_len
