@@ -14,8 +14,8 @@ MAX_MODEL_LEN = 128
 BYTES_PER_TOKEN = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32 of the tiny llama
 NUM_BLOCKS = 36  # one max_model_len request needs 32
 TIGHT_KV_BYTES = NUM_BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN
-NUM_REQUESTS = 16
-MAX_TOKENS = 40
+NUM_REQUESTS = 12
+MAX_TOKENS = 24
 
 
 def _params(i: int) -> SamplingParams:
@@ -69,15 +69,3 @@ def test_forced_preemption_gives_identical_outputs(tiny_model_dir, prompts, refe
         if want.logprobs is not None:
             assert len(got.logprobs) == MAX_TOKENS
             assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-4)
-
-
-def test_engine_usable_after_preemption(tiny_model_dir, prompts, reference):
-    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                   max_num_batched_tokens=32, kv_cache_memory_bytes=TIGHT_KV_BYTES)
-    _generate(llm, prompts)
-    before = llm.llm_engine.scheduler.num_preemptions
-    assert before > 0
-    # a second round on the same engine (prefix cache now warm) gives the same outputs again
-    again = _generate(llm, prompts)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in reference]
-    assert_engine_idle(llm.llm_engine)

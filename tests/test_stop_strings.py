@@ -48,29 +48,67 @@ def expected(text: str, stop: str, include: bool) -> str:
     return text[:idx + len(stop)] if include else text[:idx]
 
 
-def stream(engine, request_id: str, prompt, params: SamplingParams):
-    """Run one request through LLMEngine with delta outputs; return (text pieces, all token ids,
-    final RequestOutput)."""
-    engine.add_request(request_id, prompt, params.clone(output_kind="delta"))
-    pieces, token_ids, final = [], [], None
+def stream(engine, requests: dict[str, tuple]) -> dict[str, tuple[list[str], list[int], object]]:
+    """Run requests {id: (prompt, params)} together through LLMEngine with delta outputs; return
+    {id: (text pieces, all token ids, final RequestOutput)}."""
+    results = {}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params.clone(output_kind="delta"))
+        results[rid] = ([], [], None)
     while engine.has_unfinished_requests():
         for out in engine.step():
-            assert out.request_id == request_id
+            pieces, ids, _ = results[out.request_id]
             pieces.append(out.outputs[0].text if out.outputs else "")
-            token_ids.extend(out.outputs[0].token_ids if out.outputs else [])
+            ids.extend(out.outputs[0].token_ids if out.outputs else [])
             if out.finished:
-                final = out
-    return pieces, token_ids, final
+                results[out.request_id] = (pieces, ids, out)
+    return results
+
+
+CASES = ["word", "across-boundary", "one-char", "several-tokens"]
+STREAMED_CASES = ["across-boundary", "several-tokens"]
+
+
+def stop_params(stop, include: bool = False, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=stop,
+                          include_stop_str_in_output=include, **kw)
+
+
+@pytest.fixture(scope="module")
+def stopped(_smollm2_session, reference):
+    """One batched generate with every stop-string case; {(case, include): CompletionOutput}."""
+    prompt_ids, text, ends = reference
+    cases = stop_cases(text, ends)
+    keys = [(c, inc) for c in CASES for inc in (False, True)]
+    outs = _smollm2_session.generate([{"prompt_token_ids": prompt_ids}] * len(keys),
+                                     [stop_params([cases[c]], inc) for c, inc in keys], use_tqdm=False)
+    return {k: o.outputs[0] for k, o in zip(keys, outs)}
+
+
+@pytest.fixture(scope="module")
+def streamed(_smollm2_session, reference):
+    """Streamed requests run together: the stop-string cases, one without stops, one cumulative."""
+    prompt_ids, text, ends = reference
+    cases = stop_cases(text, ends)
+    prompt = {"prompt_token_ids": prompt_ids}
+    requests = {f"{c}-{inc}": (prompt, stop_params([cases[c]], inc)) for c in STREAMED_CASES for inc in (False, True)}
+    requests["plain"] = (prompt, stop_params(None))
+    engine = _smollm2_session.llm_engine
+    results = stream(engine, requests)
+    engine.add_request("cumulative", prompt, stop_params([cases["across-boundary"]], output_kind="cumulative"))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts.extend(o.outputs[0].text for o in engine.step())
+    results["cumulative"] = texts
+    return results
 
 
 @pytest.mark.parametrize("include", [False, True], ids=["cut", "include"])
-@pytest.mark.parametrize("case", ["word", "across-boundary", "one-char", "several-tokens"])
-def test_stop_string_ends_output_where_it_starts(smollm2, reference, case, include):
-    prompt_ids, text, ends = reference
+@pytest.mark.parametrize("case", CASES)
+def test_stop_string_ends_output_where_it_starts(reference, stopped, case, include):
+    _, text, ends = reference
     stop = stop_cases(text, ends)[case]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
-                            include_stop_str_in_output=include)
-    out = smollm2.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].outputs[0]
+    out = stopped[(case, include)]
     assert out.text == expected(text, stop, include)
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert len(out.token_ids) < MAX_TOKENS
@@ -83,20 +121,16 @@ def test_first_completed_of_several_stop_strings_wins(smollm2, reference):
     cases = stop_cases(text, ends)
     stops = [cases["several-tokens"], cases["word"], cases["one-char"], "never-generated-zzz"]
     first = min(stops[:3], key=lambda s: (text.index(s) + len(s), text.index(s)))
-    out = smollm2.generate({"prompt_token_ids": prompt_ids}, SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=stops), use_tqdm=False)[0].outputs[0]
+    out = smollm2.generate({"prompt_token_ids": prompt_ids}, stop_params(stops), use_tqdm=False)[0].outputs[0]
     assert out.text == text[:text.index(first)] and out.stop_reason == first
 
 
 @pytest.mark.parametrize("include", [False, True], ids=["cut", "include"])
-@pytest.mark.parametrize("case", ["across-boundary", "several-tokens"])
-def test_streamed_pieces_never_show_a_stop_string_that_is_taken_back(smollm2, reference, case, include):
-    prompt_ids, text, ends = reference
+@pytest.mark.parametrize("case", STREAMED_CASES)
+def test_streamed_pieces_never_show_a_stop_string_that_is_taken_back(reference, streamed, case, include):
+    _, text, ends = reference
     stop = stop_cases(text, ends)[case]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop],
-                            include_stop_str_in_output=include)
-    pieces, _, final = stream(smollm2.llm_engine, f"stream-{case}-{include}", {"prompt_token_ids": prompt_ids},
-                           params)
+    pieces, _, final = streamed[f"{case}-{include}"]
     want = expected(text, stop, include)
     assert final is not None and final.outputs[0].finish_reason == "stop"
     assert "".join(pieces) == want
@@ -109,25 +143,18 @@ def test_streamed_pieces_never_show_a_stop_string_that_is_taken_back(smollm2, re
     assert len(pieces) > 3  # it really streamed
 
 
-def test_streaming_without_stop_strings_adds_up_to_the_full_text(smollm2, reference):
-    prompt_ids, text, _ = reference
-    pieces, ids, final = stream(smollm2.llm_engine, "stream-plain", {"prompt_token_ids": prompt_ids},
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+def test_streaming_without_stop_strings_adds_up_to_the_full_text(reference, streamed):
+    _, text, _ = reference
+    pieces, ids, final = streamed["plain"]
     assert "".join(pieces) == text
     assert len(ids) == MAX_TOKENS and final.outputs[0].finish_reason == "length"
 
 
-def test_cumulative_outputs_grow_by_prefixes(smollm2, reference):
-    prompt_ids, text, ends = reference
-    stop = stop_cases(text, ends)["across-boundary"]
-    engine = smollm2.llm_engine
-    engine.add_request("cumulative", {"prompt_token_ids": prompt_ids}, SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop], output_kind="cumulative"))
-    texts = []
-    while engine.has_unfinished_requests():
-        texts.extend(o.outputs[0].text for o in engine.step())
-    assert texts[-1] == expected(text, stop, False)
-    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+def test_cumulative_outputs_grow_by_prefixes(reference, streamed):
+    _, text, ends = reference
+    texts = streamed["cumulative"]
+    assert texts[-1] == expected(text, stop_cases(text, ends)["across-boundary"], False)
+    assert len(texts) > 3 and all(b.startswith(a) for a, b in itertools.pairwise(texts))
 
 
 # -- detokenization --------------------------------------------------------------------------------------
@@ -165,8 +192,8 @@ def test_engine_text_equals_decode_for_multibyte_output(smollm2):
     # SmolLM2 answers this with emoji (4-byte characters split across byte-level tokens).
     prompt = list(tok.apply_chat_template([{"role": "user", "content": "Say hello in Spanish."}], tokenize=True,
                                           add_generation_prompt=True, return_dict=False))
-    pieces, ids, _ = stream(smollm2.llm_engine, "multibyte", {"prompt_token_ids": prompt},
-                                SamplingParams(temperature=0, max_tokens=16))
+    pieces, ids, _ = stream(smollm2.llm_engine, {"multibyte": ({"prompt_token_ids": prompt},
+                                                               SamplingParams(temperature=0, max_tokens=16))})["multibyte"]
     text = "".join(pieces)
     assert any(not c.isascii() for c in text)
     assert not any("\ufffd" in p for p in pieces)
