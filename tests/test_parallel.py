@@ -248,7 +248,6 @@ def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
 
 
 # -- the server -----------------------------------------------------------------------------------------
-@pytest.mark.slow  # a server and its two workers start: 30-100 s on a busy 2-core machine
 def test_server_health_turns_unhealthy_when_a_worker_dies_and_stop_leaves_no_process(tmp_path_factory):
     import socket
     import subprocess
