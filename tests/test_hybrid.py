@@ -231,6 +231,26 @@ def test_prefix_cache_hits_restore_the_mamba_state(kind, tmp_path):
     llm.llm_engine.scheduler.state_checkpoints.check_invariants()
 
 
+def test_next_conversation_turn_hits_the_previous_answer(tmp_path):
+    """Turn two repeats turn one's prompt (34 tokens) and answer (8 tokens, of which 7 computed) and
+    adds a question: the hit reaches the answer's last full block (40 tokens), through the moving
+    checkpoint decode steps keep, and turn two equals the uncached engine and transformers."""
+    path = str(tmp_path)
+    hf = save_tiny_hybrid("jamba", path)
+    engine = {**ENGINE, "kv_cache_memory_bytes": 4 << 20, "max_num_batched_tokens": 64}
+    turns = {}
+    for caching in (False, True):
+        llm = LLM(path, enable_prefix_caching=caching, **engine)
+        first = _one_at_a_time(llm, [PROMPTS[4]])[0]
+        turn2 = PROMPTS[4] + first.outputs[0].token_ids + [21, 22, 23, 24, 25]
+        turns[caching] = (turn2, _one_at_a_time(llm, [turn2])[0])
+    turn2, cached = turns[True]
+    assert cached.num_cached_tokens == 40
+    assert cached.outputs[0].token_ids == turns[False][1].outputs[0].token_ids
+    expected = hf.generate(torch.tensor([turn2]), max_new_tokens=8, do_sample=False)[0, len(turn2):]
+    assert cached.outputs[0].token_ids == expected.tolist()
+
+
 def test_identical_prompts_in_one_step_do_not_read_an_unwritten_checkpoint(tmp_path):
     path = str(tmp_path)
     save_tiny_hybrid("jamba", path)

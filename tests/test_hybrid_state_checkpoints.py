@@ -53,20 +53,38 @@ def test_eviction_is_least_recently_used():
     c.check_invariants()
 
 
+def test_an_owners_moving_checkpoint_replaces_its_previous_one():
+    c = StateCheckpoints(0, 3)
+    first = c.reserve(H[1], owner="r")
+    c.commit()
+    second = c.reserve(H[3], owner="r")  # the next block boundary of r's output
+    c.commit()
+    assert c.lookup(H, 8) == (4, second)
+    assert c.lookup(H, 2) == (0, None)  # H[1] was dropped and its index freed
+    c.forget("r")  # r finished: its latest checkpoint stays
+    c.reserve(H[5], owner="r2")
+    c.commit()
+    assert c.lookup(H, 4) == (4, second)
+    c.check_invariants()
+    assert first is not None
+
+
 def test_rejects_an_empty_pool():
     with pytest.raises(ValueError, match="num_checkpoints"):
         StateCheckpoints(0, 0)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["reserve", "commit", "lookup", "reset"]), st.integers(0, 7)),
-                max_size=60))
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "reserve_owned", "forget", "commit", "lookup", "reset"]),
+                          st.integers(0, 7)), max_size=60))
 def test_indices_are_never_lost_or_shared(ops):
     c = StateCheckpoints(first_index=10, num_checkpoints=3)
     for op, i in ops:
-        if op == "reserve":
-            index = c.reserve(H[i])
+        if op in ("reserve", "reserve_owned"):
+            index = c.reserve(H[i], owner=f"r{i % 2}" if op == "reserve_owned" else None)
             assert index is None or 10 <= index < 13
+        elif op == "forget":
+            c.forget(f"r{i % 2}")
         elif op == "commit":
             c.commit()
         elif op == "lookup":

@@ -98,6 +98,8 @@ class Scheduler:
         if request.state_slot is not None:
             self.state_pool.free(request.state_slot)
             request.state_slot = None
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.forget(request.request_id)
 
     # -- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -182,16 +184,21 @@ class Scheduler:
         )
 
     def _state_checkpoint(self, request: Request, num_new: int) -> tuple[int, int] | None:
-        """Checkpoint the Mamba state at the prompt's last full block before its final token, in the
-        multi-token chunk that reaches it (see StateCheckpoints)."""
-        if self.state_checkpoints is None or num_new < 2:
+        """Checkpoint the Mamba state at the prompt's last full block before its final token (in the
+        multi-token chunk that reaches it), and at each block a decode step fills (one moving
+        checkpoint per request); see StateCheckpoints."""
+        if self.state_checkpoints is None:
             return None
         bs, start = self.kv.block_size, request.num_computed_tokens
-        boundary = (request.num_prompt_tokens - 1) // bs * bs
+        decode = num_new == 1 and start >= request.num_prompt_tokens
+        boundary = start + 1 if decode else (request.num_prompt_tokens - 1) // bs * bs
         hashes = self.kv.req_to_hashes.get(request.request_id, [])
-        if not start < boundary <= start + num_new or len(hashes) < boundary // bs:
+        if (decode and boundary % bs) or not start < boundary <= start + num_new or len(hashes) < boundary // bs:
             return None
-        index = self.state_checkpoints.reserve(hashes[boundary // bs - 1])
+        if not decode and num_new < 2:  # a one-token prompt chunk takes the decode path: no mid-chunk state
+            return None
+        index = self.state_checkpoints.reserve(hashes[boundary // bs - 1],
+                                               owner=request.request_id if decode else None)
         return None if index is None else (boundary - start, index)
 
     def _preempt(self, request: Request) -> None:

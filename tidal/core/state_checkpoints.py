@@ -8,10 +8,11 @@ cached blocks whose last block has a checkpoint, and the checkpoint is copied in
 state slot before its first chunk runs.
 
 A checkpoint costs a whole state slot (hundreds of KiB for a large model, the KV of hundreds of
-tokens), so not every block gets one: the scheduler checkpoints each prompt at its last full block
-before the final token — the longest hit an identical or extended prompt (n > 1 samples, a
-conversation's next turn, a repeated system prompt + question) can have. Checkpoints are evicted
-least recently used.
+tokens), so not every block gets one. The scheduler checkpoints each prompt at its last full block
+before the final token (the longest hit an identical prompt, n > 1 samples or a preempted request's
+recompute can have), and each request's generated text at its latest block boundary (each decode
+step that fills a block moves that checkpoint forward), so a conversation's next turn, which
+repeats the prompt and the answer, hits all of it. Checkpoints are evicted least recently used.
 
 Checkpoints are written by the forward of the step that schedules them, so one reserved during a
 `schedule()` call is only visible to lookups from the next call on (`commit`).
@@ -31,6 +32,7 @@ class StateCheckpoints:
         self._free = list(range(first_index + num_checkpoints - 1, first_index - 1, -1))
         self._valid: OrderedDict[bytes, int] = OrderedDict()  # block hash -> state index, LRU first
         self._pending: dict[bytes, int] = {}  # reserved this step, written by its forward
+        self._latest: dict[str, bytes] = {}  # request id -> its moving output checkpoint
         self.num_hits = 0
 
     def commit(self) -> None:
@@ -49,11 +51,15 @@ class StateCheckpoints:
                 return n, index
         return 0, None
 
-    def reserve(self, block_hash: bytes) -> int | None:
+    def reserve(self, block_hash: bytes, owner: str | None = None) -> int | None:
         """A state index to checkpoint the prefix ending with this block into, or None when it is
-        already checkpointed (or being written) or no checkpoint can be evicted."""
+        already checkpointed (or being written) or no checkpoint can be evicted. With an owner (a
+        request's moving output checkpoint), the owner's previous checkpoint is dropped."""
         if block_hash in self._valid or block_hash in self._pending:
             return None
+        previous = self._latest.pop(owner, None) if owner is not None else None
+        if previous is not None and previous in self._valid:
+            self._free.append(self._valid.pop(previous))
         if self._free:
             index = self._free.pop()
         elif self._valid:
@@ -62,13 +68,20 @@ class StateCheckpoints:
         else:
             return None
         self._pending[block_hash] = index
+        if owner is not None:
+            self._latest[owner] = block_hash
         return index
+
+    def forget(self, owner: str) -> None:
+        """The request is done: its latest output checkpoint stays, no longer moved."""
+        self._latest.pop(owner, None)
 
     def reset(self) -> None:
         for index in [*self._valid.values(), *self._pending.values()]:
             self._free.append(index)
         self._valid.clear()
         self._pending.clear()
+        self._latest.clear()
 
     def check_invariants(self) -> None:
         used = [*self._valid.values(), *self._pending.values()]

@@ -125,13 +125,18 @@ class MambaMixer(nn.Module):
         nd, T = meta.num_decodes, hidden.shape[0]
         slots, fresh = meta.state_slots, ~meta.has_initial_state
         y = torch.empty(T, self.d_inner, dtype=torch.float32)
+        checkpoints = meta.state_checkpoints or ()
         if nd:
             y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd])
+            for i, _, index in checkpoints:
+                if i < nd:  # the state after this decode token
+                    self.conv_state[index] = self.conv_state[slots[i]]
+                    self.ssm_state[index] = self.ssm_state[slots[i]]
         if T > nd:
             starts = meta.query_start_loc[nd:]
             lens = [b - a for a, b in pairwise(starts)]
-            checkpoints = [(i - nd, t, index) for i, t, index in meta.state_checkpoints or ()]
-            y[nd:] = self._prefill(xs[nd:], lens, slots[nd:], fresh[nd:], checkpoints)
+            y[nd:] = self._prefill(xs[nd:], lens, slots[nd:], fresh[nd:],
+                                   [(i - nd, t, index) for i, t, index in checkpoints if i >= nd])
         y = y * F.silu(gate.float())
         return self.out_proj(y.to(hidden.dtype))
 
