@@ -65,8 +65,10 @@ class _DepthwiseConv1d(nn.Module):
 class MambaMixer(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, state_size: int, conv_kernel: int,
                  time_step_rank: int, use_conv_bias: bool = True, use_bias: bool = False,
-                 bcdt_rms_eps: float | None = None, activation: str = "silu", dtype=torch.float32) -> None:
-        """bcdt_rms_eps: Jamba's RMSNorms on dt, B and C (None: plain Mamba, no norms)."""
+                 bcdt_rms_eps: float | None = None, activation: str = "silu", dtype=torch.float32,
+                 quant_method=None) -> None:
+        """bcdt_rms_eps: Jamba's RMSNorms on dt, B and C (None: plain Mamba, no norms). quant_method
+        applies to the two big projections (in_proj, out_proj); x_proj and dt_proj stay unquantized."""
         super().__init__()
         if activation not in ("silu", "swish"):
             raise ValueError(f"Mamba activation must be silu, got {activation!r}")
@@ -77,7 +79,8 @@ class MambaMixer(nn.Module):
         self.d_inner = intermediate_size // tp  # this rank's channels
         self.d_state, self.d_conv, self.dt_rank = state_size, conv_kernel, time_step_rank
         self.dtype = dtype
-        self.in_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=use_bias, dtype=dtype)
+        self.in_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=use_bias, dtype=dtype,
+                                                  quant_method=quant_method)
         for p in (self.in_proj.weight, self.in_proj.bias):
             if p is not None:  # the checkpoint stores [x; gate] as one tensor: load each half as its shard
                 p.weight_loader = self._load_in_proj
@@ -87,7 +90,8 @@ class MambaMixer(nn.Module):
         self.A_log = _row_sharded(nn.Parameter(torch.empty(self.d_inner, state_size, dtype=dtype),
                                                requires_grad=False))
         self.D = _row_sharded(nn.Parameter(torch.ones(self.d_inner, dtype=dtype), requires_grad=False))
-        self.out_proj = RowParallelLinear(intermediate_size, hidden_size, bias=use_bias, dtype=dtype)
+        self.out_proj = RowParallelLinear(intermediate_size, hidden_size, bias=use_bias, dtype=dtype,
+                                          quant_method=quant_method)
         self.has_bcdt_norms = bcdt_rms_eps is not None
         if self.has_bcdt_norms:
             self.dt_layernorm = RMSNorm(time_step_rank, bcdt_rms_eps, dtype)

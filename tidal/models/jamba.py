@@ -21,12 +21,14 @@ from tidal.models.utils import load_stacked_weights
 
 
 class JambaAttention(nn.Module):
-    def __init__(self, config, dtype) -> None:
+    def __init__(self, config, dtype, quant=None) -> None:
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=False, dtype=dtype)
-        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=False, dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=False, dtype=dtype,
+                                          quant_method=quant)
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=False, dtype=dtype,
+                                        quant_method=quant)
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim ** -0.5, self.qkv_proj.num_kv_heads)
@@ -39,22 +41,22 @@ class JambaAttention(nn.Module):
 class JambaDecoderLayer(nn.Module):
     """One layer: a mixer (attention or Mamba) and a feed-forward (MLP or MoE), both pre-norm residual."""
 
-    def __init__(self, config, layer_idx: int, dtype) -> None:
+    def __init__(self, config, layer_idx: int, dtype, quant=None) -> None:
         super().__init__()
         self.is_attention = config.layers_block_type[layer_idx] == "attention"
         if self.is_attention:
-            self.self_attn = JambaAttention(config, dtype)
+            self.self_attn = JambaAttention(config, dtype, quant)
         else:
             self.mamba = MambaMixer(config.hidden_size, config.mamba_expand * config.hidden_size,
                                     config.mamba_d_state, config.mamba_d_conv, config.mamba_dt_rank,
                                     config.mamba_conv_bias, config.mamba_proj_bias, config.rms_norm_eps,
-                                    config.hidden_act, dtype)
+                                    config.hidden_act, dtype, quant)
         if config.layers_num_experts[layer_idx] > 1:
             self.feed_forward = SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_experts,
                                                config.num_experts_per_tok, renormalize=False,
                                                router_name="router", dtype=dtype)
         else:
-            self.feed_forward = LlamaMLP(config, dtype)
+            self.feed_forward = LlamaMLP(config, dtype, quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -70,10 +72,11 @@ class JambaDecoderLayer(nn.Module):
 
 
 class JambaModel(nn.Module):
-    def __init__(self, config, dtype) -> None:
+    def __init__(self, config, dtype, quant=None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, dtype, quant)
+                                    for i in range(config.num_hidden_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -93,7 +96,7 @@ class JambaForCausalLM(nn.Module):
     def __init__(self, config, dtype=torch.float32, quant=None) -> None:
         super().__init__()
         self.config = config
-        self.model = JambaModel(config, dtype)
+        self.model = JambaModel(config, dtype, quant)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

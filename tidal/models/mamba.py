@@ -16,21 +16,21 @@ from tidal.models.utils import load_stacked_weights
 
 
 class MambaBlock(nn.Module):
-    def __init__(self, config, dtype) -> None:
+    def __init__(self, config, dtype, quant=None) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype)
         self.mixer = MambaMixer(config.hidden_size, config.intermediate_size, config.state_size,
                                 config.conv_kernel, int(config.time_step_rank), config.use_conv_bias,
-                                config.use_bias, None, config.hidden_act, dtype)
+                                config.use_bias, None, config.hidden_act, dtype, quant)
 
 
 class MambaModel(nn.Module):
-    def __init__(self, config, dtype) -> None:
+    def __init__(self, config, dtype, quant=None) -> None:
         super().__init__()
         self.dtype = dtype
         self.residual_dtype = torch.float32 if getattr(config, "residual_in_fp32", True) else dtype
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(MambaBlock(config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(MambaBlock(config, dtype, quant) for _ in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ class MambaForCausalLM(nn.Module):
     def __init__(self, config, dtype=torch.float32, quant=None) -> None:
         super().__init__()
         self.config = config
-        self.backbone = MambaModel(config, dtype)
+        self.backbone = MambaModel(config, dtype, quant)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if self.tie_word_embeddings:
