@@ -159,7 +159,8 @@ def _free_port() -> int:
 def _threads_per_worker(world: int) -> int | None:
     if os.environ.get("OMP_NUM_THREADS"):
         return None  # the user chose; torch in each worker reads it
-    return max(1, (os.cpu_count() or 1) // world)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // world)  # the cores this process may use, shared out: no oversubscription
 
 
 # -- multiprocessing -----------------------------------------------------------------------------
