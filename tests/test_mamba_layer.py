@@ -8,6 +8,7 @@ import torch
 
 import tidal.layers.mamba as mamba_mod
 from tidal.forward_context import set_forward_context
+from tidal.layers import mamba_native
 from tidal.layers.attention import AttentionMetadata
 from tidal.layers.mamba import MambaMixer, selective_scan
 
@@ -22,8 +23,9 @@ def _reference_scan(dt, dtx, A, B, C, h):
     return torch.stack(ys), h
 
 
-@pytest.mark.parametrize("block_elems", [1 << 22, 3 * 2 * D_INNER * N])  # one block; blocks of 3 steps
-def test_batched_scan_matches_per_token_recurrence(monkeypatch, block_elems):
+@pytest.mark.parametrize(("native", "block_elems"), [(False, 1 << 22), (False, 3 * 2 * D_INNER * N), (True, 0)])
+def test_batched_scan_matches_per_token_recurrence(monkeypatch, native, block_elems):
+    """The torch scan in one time block and in blocks of 3 steps, and the native kernel."""
     monkeypatch.setattr(mamba_mod, "_SCAN_BLOCK_ELEMS", block_elems)
     g = torch.Generator().manual_seed(0)
     L, R = 10, 2
@@ -37,7 +39,9 @@ def test_batched_scan_matches_per_token_recurrence(monkeypatch, block_elems):
     _, h_at_7 = _reference_scan(dt[:7], dtx[:7], A, B[:7], C[:7], h0)
     _, h_at_4 = _reference_scan(dt[:4], dtx[:4], A, B[:4], C[:4], h0)
     h = h0.clone()
-    y, (snap_4, snap_7) = selective_scan(dt, dtx, A, B, C, h, [(3, 0), (6, 1)])
+    if native:
+        assert mamba_native.selective_scan_native(dt, dtx, A, B, C, h.clone(), []) is not None, "no kernel"
+    y, (snap_4, snap_7) = selective_scan(dt, dtx, A, B, C, h, [(3, 0), (6, 1)], native=native)
     torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h[1], h_at_7[1], rtol=1e-5, atol=1e-5)

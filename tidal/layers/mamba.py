@@ -12,10 +12,13 @@ chunk prepends its cached conv inputs and starts from its cached SSM state, so c
 exactly what one long prefill would.
 
 Multi-token chunks of all requests run together: padded to the longest chunk, time-major, with dt = 0
-on padding so padded steps carry the state through unchanged (exp(0 * A) = 1, no input). The scan is
-a loop over time batched over requests, in time blocks whose discretised A and B*x are computed
-vectorised; the C read-out is one batched matmul per block. (On CPU this beat a scan through
-cumulative sums of log-decays by ~3x, which also needs overflow guards for fast-decaying channels.)
+on padding so padded steps carry the state through unchanged (exp(0 * A) = 1, no input). The scan
+runs in a native CPU kernel (tidal/layers/mamba_native.py: one pass over time per block of channels,
+the state kept in L1, exp vectorised; ~6x faster than the torch path at 2k tokens) when a compiler
+is available. The torch fallback is a loop over time batched over requests, in time blocks whose
+discretised A and B*x are computed vectorised, with the C read-out one batched matmul per block (on
+CPU it beat a scan through cumulative sums of log-decays by ~3x, which also needs overflow guards
+for fast-decaying channels).
 
 Tensor-parallel ready: d_inner is split across ranks (in_proj, conv, dt_proj, A, D by rows; x_proj and
 out_proj by columns, with x_proj's partial sums all-reduced so every rank sees whole dt, B, C).
@@ -36,6 +39,7 @@ from tidal.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from tidal.layers.mamba_native import selective_scan_native
 from tidal.layers.norm import RMSNorm
 
 # Elements of one [time, requests, d_inner, d_state] scan block (fp32): bounds the scan's working memory.
@@ -208,11 +212,17 @@ class MambaMixer(nn.Module):
 
 
 def selective_scan(dt: torch.Tensor, dtx: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   h: torch.Tensor, snapshots: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, list]:
+                   h: torch.Tensor, snapshots: list[tuple[int, int]] = (), native: bool = True
+                   ) -> tuple[torch.Tensor, list]:
     """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t;  y_t = h_t . C_t, for R requests at once.
 
     dt, dtx [L, R, d]; A [d, N]; B, C [L, R, N]; h [R, d, N] fp32, updated in place to the final state.
-    Returns y [L, R, d] and, for each (t, r) in snapshots, a copy of request r's state h_t [d, N]."""
+    Returns y [L, R, d] and, for each (t, r) in snapshots, a copy of request r's state h_t [d, N].
+    Runs the native CPU kernel when it is available (native=True), else the torch loop below."""
+    if native:
+        out = selective_scan_native(dt, dtx, A, B, C, h, snapshots)
+        if out is not None:
+            return out
     L, R, d = dt.shape
     N = A.shape[1]
     y = dt.new_empty(L, R, d)
@@ -221,11 +231,10 @@ def selective_scan(dt: torch.Tensor, dtx: torch.Tensor, A: torch.Tensor, B: torc
     taken: list = [None] * len(snapshots)
     for s in range(0, L, step):
         e = min(L, s + step)
-        dA = torch.exp(dt[s:e].unsqueeze(-1) * A)                     # [t, R, d, N]
-        dBx = dtx[s:e].unsqueeze(-1) * B[s:e].unsqueeze(2)            # [t, R, d, N]
-        states = torch.empty_like(dA)
-        for t in range(e - s):  # one fused multiply-add per step, batched over requests
-            state = torch.addcmul(dBx[t], dA[t], state, out=states[t])
+        dA = (dt[s:e].unsqueeze(-1) * A).exp_()                       # [t, R, d, N]
+        states = dtx[s:e].unsqueeze(-1) * B[s:e].unsqueeze(2)         # [t, R, d, N]: dt x B, then h_t
+        for t in range(e - s):  # in place, one fused multiply-add per step, batched over requests
+            state = states[t].addcmul_(dA[t], state)
         # y[t, r, i] = sum_n states[t, r, i, n] * C[t, r, n]
         y[s:e] = torch.matmul(states, C[s:e].unsqueeze(-1)).squeeze(-1)
         for i, (t, r) in enumerate(snapshots):
