@@ -118,3 +118,20 @@ def test_interleaved_chunks_and_decodes_equal_full_sequence(jamba_norms):
     torch.testing.assert_close(torch.cat(out_b), full[15:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.ssm_state[3], full_ssm[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m.conv_state[2], full_conv[1], rtol=1e-5, atol=1e-5)
+
+
+def test_one_token_prompt_in_a_reused_slot_starts_from_zero_state():
+    """A one-token prompt takes the decode path; its slot holds an old request's state (NaN here),
+    which must not leak in."""
+    m = _mixer()
+    m.allocate_state(2)
+    x = torch.randn(3, H)
+    with torch.no_grad():
+        with set_forward_context(_meta([1], [1], [True])):
+            alone = m(x[:1])
+        m.ssm_state.fill_(float("nan"))
+        m.conv_state.fill_(float("nan"))
+        with set_forward_context(_meta([1, 2], [1, 0], [True, True])):  # with a fresh 2-token chunk beside it
+            y = m(x)
+    torch.testing.assert_close(y[:1], alone, rtol=1e-6, atol=1e-6)
+    assert not torch.isnan(y).any()

@@ -156,11 +156,18 @@ class MambaMixer(nn.Module):
         return F.softplus(self.dt_proj(dt).float()), B.float(), C.float()
 
     def _A(self) -> torch.Tensor:
-        return -torch.exp(self.A_log.float())  # [d_inner, d_state]
+        """-exp(A_log) [d_inner, d_state], computed once per weight version, not every step."""
+        version = self.A_log._version
+        if getattr(self, "_A_cache", None) is None or self._A_version != version:
+            self._A_cache, self._A_version = -torch.exp(self.A_log.float()), version
+        return self._A_cache
 
     def _decode(self, x: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
         """One token per request: x [B, d_inner] -> scan output before gating [B, d_inner] fp32."""
-        conv_prev = self.conv_state[slots].masked_fill(fresh[:, None, None], 0)  # [B, d, K-1]
+        any_fresh = bool(fresh.any())  # a one-token prompt: start from zero state (rare in decodes)
+        conv_prev = self.conv_state[slots]  # [B, d, K-1]
+        if any_fresh:
+            conv_prev = conv_prev.masked_fill(fresh[:, None, None], 0)
         window = torch.cat([conv_prev, x.unsqueeze(-1).to(conv_prev.dtype)], dim=-1)  # [B, d, K]
         self.conv_state[slots] = window[:, :, 1:]
         xc = (window * self.conv1d.weight[:, 0, :]).sum(-1)
@@ -168,9 +175,11 @@ class MambaMixer(nn.Module):
             xc = xc + self.conv1d.bias
         xc = F.silu(xc)
         dt, B, C = self._ssm_inputs(xc)
-        h = self.ssm_state[slots].masked_fill(fresh[:, None, None], 0)  # [B, d, N]
+        h = self.ssm_state[slots]  # [B, d, N]
+        if any_fresh:
+            h = h.masked_fill(fresh[:, None, None], 0)
         xf = xc.float()
-        h = h * torch.exp(dt.unsqueeze(-1) * self._A()) + (dt * xf).unsqueeze(-1) * B.unsqueeze(1)
+        h = (h * torch.exp(dt.unsqueeze(-1) * self._A())).addcmul_((dt * xf).unsqueeze(-1), B.unsqueeze(1))
         self.ssm_state[slots] = h
         return torch.bmm(h, C.unsqueeze(-1)).squeeze(-1) + xf * self.D.float()
 
