@@ -6,7 +6,7 @@ requests are admitted first-come-first-served; every request finishes with exact
 (or is aborted); and all blocks are free at the end."""
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tidal.core.kv_cache_manager import KVCacheManager
@@ -76,14 +76,14 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
 
 workload = st.fixed_dictionaries({
     "block_size": st.sampled_from([1, 2, 4, 8]),
-    "max_num_seqs": st.integers(1, 6),
-    "max_num_batched_tokens": st.integers(1, 24),
-    "extra_blocks": st.integers(0, 12),
+    "max_num_seqs": st.integers(1, 8),
+    "max_num_batched_tokens": st.integers(1, 32),
+    "extra_blocks": st.integers(0, 4),  # few spare blocks: concurrent requests force preemption
     "caching": st.booleans(),
     "requests": st.lists(st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=30),  # prompt
-                                   st.integers(1, 10),                                     # max_tokens
+                                   st.integers(1, 20),                                     # max_tokens
                                    st.integers(0, 6)),                                     # arrival step
-                         min_size=1, max_size=12),
+                         min_size=1, max_size=10),
     "aborts": st.dictionaries(st.integers(0, 40), st.integers(0, 100), max_size=3),
 })
 
@@ -100,6 +100,7 @@ def test_random_workloads_finish_within_limits_and_free_every_block(w):
     for i, (prompt, max_tokens, at) in enumerate(w["requests"]):
         arrivals.setdefault(at, []).append(make_request(i, prompt, max_tokens))
     admission_order, requests = run_to_completion(scheduler, arrivals, w["aborts"])
+    event("preempted" if scheduler.num_preemptions else "no preemption")
 
     assert not scheduler.has_unfinished_requests() and not scheduler.requests
     for req in requests:
