@@ -5,6 +5,7 @@ greedy `generate` token for token."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers import hf_greedy, hf_model, hf_prompt_logprobs, random_prompts, tiny_llm
 from tidal import SamplingParams
@@ -47,7 +48,7 @@ def run(request, tiny_model_dir):
         return out
 
     scheduler.schedule = spy
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=2, logprobs=2, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return request.param, path, prompts, outs, batches
 
@@ -77,7 +78,11 @@ def test_prompt_logprobs_match_transformers(run):
         assert out.prompt_logprobs[0] is None
         assert len(out.prompt_logprobs) == len(prompt)
         ref = hf_prompt_logprobs(hf, prompt)
+        with torch.no_grad():
+            ref_top = hf(torch.tensor([prompt])).logits[0].float().topk(2).indices.tolist()
         for pos in range(1, len(prompt)):
+            ranked = {lp.rank: t for t, lp in out.prompt_logprobs[pos].items()}
+            assert [ranked[1], ranked[2]] == ref_top[pos - 1], f"{name}: prompt top-2 differ at {pos}"
             entry = out.prompt_logprobs[pos]
             assert prompt[pos] in entry
             worst = max(worst, abs(entry[prompt[pos]].logprob - ref[pos - 1]))
@@ -93,3 +98,23 @@ def test_greedy_matches_transformers_generate(run):
         assert out.outputs[0].finish_reason == "length"
         expected = hf_greedy(hf, prompt, MAX_TOKENS)
         assert out.outputs[0].token_ids == expected, f"{name}: prompt {i} diverges from transformers"
+
+
+def test_decode_logprobs_match_transformers(run):
+    """Logprobs of the generated tokens (computed by decode steps through the paged KV cache) equal
+    transformers' full forward over prompt + output, top-2 included."""
+    name, path, prompts, outs, _ = run
+    hf = hf_model(path)
+    worst = 0.0
+    for prompt, out in zip(prompts, outs):
+        sample = out.outputs[0]
+        ids = prompt + sample.token_ids
+        with torch.no_grad():
+            lp = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        for k, (token, entry) in enumerate(zip(sample.token_ids, sample.logprobs)):
+            ref = lp[len(prompt) - 1 + k]
+            top_vals, top_ids = ref.topk(2)
+            assert set(entry) == set(top_ids.tolist()), f"{name}: top-2 differ at output {k}"
+            worst = max(worst, abs(entry[token].logprob - ref[token].item()),
+                        *(abs(entry[t].logprob - v) for t, v in zip(top_ids.tolist(), top_vals.tolist())))
+    assert worst < TOLERANCE, f"{name}: decode logprobs differ from transformers by {worst}"
