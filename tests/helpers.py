@@ -25,8 +25,8 @@ def save_tiny_model(path: str, config, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF's init is tiny for some params; widen it so logits are not flat
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or name.endswith(".bias"):  # biases too: HF zeroes them, which would hide bias bugs
                 p.normal_(0, 0.08)
     model.save_pretrained(path)
     os.makedirs(path, exist_ok=True)

@@ -21,6 +21,7 @@ CASES = {
     "llama-mqa": ("llama", {"num_key_value_heads": 1}, 8),
     "llama-tied": ("llama", {"tie_word_embeddings": True}, 4),
     "llama3-rope-scaling": ("llama", {"rope_parameters": LLAMA3_ROPE}, 8),
+    "llama-bias-head-dim": ("llama", {"attention_bias": True, "head_dim": 32}, 4),
 }
 
 NUM_PROMPTS = 9
