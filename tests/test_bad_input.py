@@ -90,6 +90,13 @@ def test_out_of_range_sampling_values(llm, good, field, value):
                                field, repr(value))
 
 
+def test_stop_token_id_outside_the_vocabulary(llm, good):
+    """Found inside a step, it would fail the whole batch (min_tokens masks stop ids by index)."""
+    params = [SamplingParams(), SamplingParams(min_tokens=2, stop_token_ids=[7, 10**6])]
+    assert_refused_then_usable(llm, lambda m: m.generate([good, good], params, use_tqdm=False),
+                               "stop_token_ids", str(10**6), "512")
+
+
 def test_wrong_number_of_sampling_params(llm, good):
     assert_refused_then_usable(llm, lambda m: m.generate([good, good], [SamplingParams()] * 3, use_tqdm=False),
                                "3 sampling_params", "2 prompts")

@@ -60,7 +60,10 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "0 or -1 (disabled) or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+        # torch.Generator takes 64-bit seeds; the n samples of a request use seed, seed + 1, ...
+        _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed
+                                     and self.seed + self.n - 1 < 2**64),
+               "seed", self.seed, "an integer in [-2**63, 2**64 - n] or None")
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "an integer >= 1 or None")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens,

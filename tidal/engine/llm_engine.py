@@ -160,11 +160,20 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len ({self.max_model_len})")
         return text, ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Checks of sampling params that need the model (SamplingParams checks the rest at
+        construction). Raises ValueError before anything is queued: a bad value found inside a step
+        would fail every request sharing the batch."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")  # noqa: TRY004
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        self.check_params(params)
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)

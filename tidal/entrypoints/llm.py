@@ -49,9 +49,7 @@ class LLM:
         for p in prompts:
             engine.process_prompt(p)
         for sp in params:
-            if not isinstance(sp, SamplingParams):
-                # ValueError, as for every other bad input of this API (vLLM does the same)
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")  # noqa: TRY004
+            engine.check_params(sp)
         ids = []
         for prompt, sp in zip(prompts, params):
             rid = engine.next_request_id()
