@@ -119,3 +119,20 @@ def test_decode_logprobs_match_transformers(run):
             worst = max(worst, abs(entry[token].logprob - ref[token].item()),
                         *(abs(entry[t].logprob - v) for t, v in zip(top_ids.tolist(), top_vals.tolist())))
     assert worst < TOLERANCE, f"{name}: decode logprobs differ from transformers by {worst}"
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7])
+def test_odd_token_budgets_split_prompts_anywhere(tiny_model_dir, budget):
+    """Budgets that cut prompts off block boundaries (1 = one token per step: every chunk is a
+    decode-shaped step) still give transformers' logprobs and greedy tokens."""
+    path = tiny_model_dir("llama")
+    prompts = random_prompts(4, 9, 23, 512, seed=budget)
+    llm = tiny_llm(path, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=5, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = hf_model(path)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_prompt_logprobs(hf, prompt)
+        got = [out.prompt_logprobs[pos][prompt[pos]].logprob for pos in range(1, len(prompt))]
+        assert max(abs(a - b) for a, b in zip(got, ref)) < TOLERANCE
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 5)
