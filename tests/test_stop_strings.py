@@ -114,6 +114,17 @@ def test_stop_string_ends_output_where_it_starts(reference, stopped, case, inclu
     assert len(out.token_ids) < MAX_TOKENS
 
 
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(smollm2, reference):
+    """The 13th token both reaches max_tokens and completes the stop string: finish_reason is
+    "stop" (the text is cut at the stop string), as in vLLM."""
+    prompt_ids, text, ends = reference
+    stop = stop_cases(text, ends)["several-tokens"]  # ends exactly where token 12 (0-based) ends
+    out = smollm2.generate({"prompt_token_ids": prompt_ids}, stop_params([stop]).clone(max_tokens=13),
+                           use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 13 and out.text == expected(text, stop, False)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
 def test_first_completed_of_several_stop_strings_wins(smollm2, reference):
     """As in vLLM, the output stops at the first stop string to be completed (a longer one that
     would have started earlier is not complete yet when a shorter one ends)."""

@@ -220,6 +220,10 @@ class LLMEngine:
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
+                # The token that reached max_tokens also completed a stop string: the text is cut
+                # there, so report the stop (as vLLM does). The scheduler has already let it go.
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
             if request.is_finished:
                 op.finish_sample(request.request_id, request.finish_reason, request.stop_reason)
             parents[parent] = None
