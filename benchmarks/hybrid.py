@@ -96,7 +96,7 @@ def layer_prefill_tok_s(layer: torch.nn.Module, hidden: int, tokens: int, repeat
         a.kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, a.num_kv_heads, a.head_dim))
     meta = AttentionMetadata(
         num_tokens=tokens, slot_mapping=torch.arange(tokens), block_size=BLOCK, num_decodes=0,
-        decode_block_tables=None, decode_seq_lens=None, decode_max_seq_len=0,
+        num_paged_tokens=0, paged_block_tables=None, paged_seq_lens=None, paged_max_seq_len=0,
         prefills=[(0, tokens, 0, torch.arange(num_blocks))], query_start_loc=[0, tokens],
         state_slots=torch.tensor([0]), has_initial_state=torch.tensor([False]))
     x = torch.randn(tokens, hidden)

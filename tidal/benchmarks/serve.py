@@ -214,7 +214,8 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
     return summary
 
 
-def print_report(s: dict, out=sys.stdout) -> None:
+def print_report(s: dict, out=None) -> None:
+    out = out or sys.stdout  # resolved per call: tests and callers may swap sys.stdout
     w = 50
     print(f"{' Serving Benchmark Result ':=^{w}}", file=out)
     rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),

@@ -14,7 +14,7 @@ import torch
 
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
 from tidal.forward_context import set_forward_context
-from tidal.layers.attention import Attention, AttentionMetadata
+from tidal.layers.attention import Attention, AttentionMetadata, cpu_kernels
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
@@ -80,7 +80,8 @@ class ModelRunner:
         out = RunnerOutput()
         if not so.scheduled:
             return out
-        reqs = sorted(so.scheduled, key=lambda r: len(r.token_ids) > 1)  # decodes first (stable)
+        # decodes, then chunks continuing a context, then fresh chunks (stable: FCFS within each)
+        reqs = sorted(so.scheduled, key=lambda r: (len(r.token_ids) > 1, r.start_pos == 0))
         meta, input_ids, positions = self._prepare(reqs)
         self._restore_states(reqs)
         with set_forward_context(meta):
@@ -121,14 +122,24 @@ class ModelRunner:
 
         num_decodes = sum(1 for n in q_lens if n == 1)
         seq_lens = [r.start_pos + n for r, n in zip(reqs, q_lens)]
+        # With the native kernel, chunks that continue a context (prefix-cache hits, later chunks of a
+        # long prompt) are attended token by token in place, instead of gathering their context.
+        num_paged_reqs = num_decodes
+        if cpu_kernels.native_lib() is not None:
+            while num_paged_reqs < len(reqs) and reqs[num_paged_reqs].start_pos > 0:
+                num_paged_reqs += 1
+        num_paged = query_start_loc[num_paged_reqs]
         prefills = [(query_start_loc[i], q_lens[i], reqs[i].start_pos,
-                     block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(num_decodes, len(reqs))]
+                     block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(num_paged_reqs, len(reqs))]
+        paged_block_tables = (block_tables[:num_decodes] if num_paged == num_decodes
+                              else block_tables[req_idx[:num_paged]])
         slots = [r.state_slot for r in reqs]
         meta = AttentionMetadata(
             num_tokens=num_tokens, slot_mapping=slot_mapping, block_size=bs, num_decodes=num_decodes,
-            decode_block_tables=block_tables[:num_decodes] if num_decodes else None,
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes]) if num_decodes else None,
-            decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
+            num_paged_tokens=num_paged,
+            paged_block_tables=paged_block_tables if num_paged else None,
+            paged_seq_lens=positions[:num_paged] + 1 if num_paged else None,
+            paged_max_seq_len=max(seq_lens[:num_paged_reqs], default=0),
             prefills=prefills, query_start_loc=query_start_loc,
             state_slots=(torch.tensor(slots, dtype=torch.long) if any(s is not None for s in slots) else None),
             has_initial_state=torch.tensor([r.start_pos > 0 for r in reqs]),

@@ -38,14 +38,14 @@ class Attention(nn.Module):
         k_cache, v_cache = split_kv_cache(self.kv_cache)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            nd = meta.num_decodes
-            o = cpu_kernels.paged_attention_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                   meta.decode_seq_lens, self.scale)
+        n = meta.num_paged_tokens
+        if n:
+            o = cpu_kernels.paged_attention_decode(q[:n], k_cache, v_cache, meta.paged_block_tables,
+                                                   meta.paged_seq_lens, self.scale)
             if o is None:
-                o = decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                                     meta.decode_max_seq_len, self.scale)
-            out[:nd] = o
+                o = decode_attention(q[:n], k_cache, v_cache, meta.paged_block_tables, meta.paged_seq_lens,
+                                     meta.paged_max_seq_len, self.scale)
+            out[:n] = o
         for q_start, q_len, ctx_len, block_ids in meta.prefills:
             qs = q[q_start:q_start + q_len]
             if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache

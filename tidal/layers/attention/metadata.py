@@ -1,7 +1,7 @@
 """AttentionMetadata: how one step's flat token batch maps onto requests and KV-cache slots.
 
-The model runner orders each batch decodes first (one query token each), then the requests that
-compute several tokens (prefill chunks). Token i of the batch writes its K/V at flat slot
+The model runner orders each batch decodes first (one query token each), then chunks that continue a
+cached context, then chunks that start at position 0. Token i of the batch writes its K/V at flat slot
 slot_mapping[i] = block_id * block_size + offset.
 """
 from __future__ import annotations
@@ -18,10 +18,14 @@ class AttentionMetadata:
     block_size: int
     # decodes: the first num_decodes tokens, one per request
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded)
-    decode_seq_lens: torch.Tensor | None      # [num_decodes] int64, including the new token
-    decode_max_seq_len: int
-    # prefills: per request (query_start, query_len, context_len, block_ids [n] int64)
+    # Tokens attended one by one through the paged kernel: the first num_paged_tokens of the batch
+    # (decodes, then - with the native kernel - every token of chunks that continue a cached context;
+    # each such token is a query over its own prefix, read in place from the blocks).
+    num_paged_tokens: int
+    paged_block_tables: torch.Tensor | None  # [num_paged_tokens, max_blocks] int64 (padded)
+    paged_seq_lens: torch.Tensor | None      # [num_paged_tokens] int64: position + 1
+    paged_max_seq_len: int
+    # the remaining chunks: (query_start, query_len, context_len, block_ids [n] int64)
     prefills: list[tuple[int, int, int, torch.Tensor]]
     # per request in batch order (decodes then prefills): query start offsets [num_reqs + 1]
     query_start_loc: list[int]
