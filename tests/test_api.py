@@ -150,6 +150,9 @@ def test_generation_stops_at_max_model_len(tiny_model_dir):
     out = llm.generate({"prompt_token_ids": list(range(3, 63))},
                        SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    full = llm.generate({"prompt_token_ids": list(range(3, 67))},  # exactly max_model_len: one token
+                        SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert len(full.outputs[0].token_ids) == 1 and full.outputs[0].finish_reason == "length"
     assert_engine_idle(llm.llm_engine)
 
 
