@@ -55,7 +55,7 @@ class RayExecutor(Executor):
         self.placement_group = ray.util.placement_group([{"CPU": 1}] * self.world, strategy="PACK")
         self._finalizer = weakref.finalize(self, _ray_kill, self.actors, self.placement_group)
         try:
-            ray.get(self.placement_group.ready(), timeout=self.timeout_s)
+            ray.get(self.placement_group.ready(), timeout=max(_INIT_TIMEOUT_S, self.timeout_s))
             remote_worker = ray.remote(num_cpus=1)(Worker)
             threads = _threads_per_worker(self.world)
 
@@ -64,7 +64,9 @@ class RayExecutor(Executor):
                 self.actors.append(remote_worker.options(scheduling_strategy=strategy).remote(
                     config, rank, eos_token_id, self.timeout_s, threads))
             # rank 0 hosts the rendezvous, on whichever node Ray placed it
-            init_method = ray.get(self.actors[0].get_rendezvous.remote(), timeout=self.timeout_s)
+            # starting actors (a Python process each, importing torch) is slow on a loaded machine
+            init_method = ray.get(self.actors[0].get_rendezvous.remote(),
+                                  timeout=max(_INIT_TIMEOUT_S, self.timeout_s))
             self.worker_infos = self._call("init", init_method, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s))
         except BaseException:
             self.shutdown()
