@@ -141,7 +141,8 @@ def report_estimate(results: dict) -> None:
     results["jamba_large_estimate"] = est
     gb = 1e9
     print(f"\nJamba-1.5-Large ({est['total_params'] / 1e9:.1f}B parameters), tp={est['tp']}, int8 weights, bf16 KV:")
-    print(f"  weights per GPU: {est['weights_per_gpu_int8'] / gb:.1f} GB int8 ({est['weights_per_gpu_bf16'] / gb:.1f} GB "
+    print(f"  weights per GPU: {est['weights_per_gpu_int8'] / gb:.1f} GB int8 "
+          f"({est['weights_per_gpu_bf16'] / gb:.1f} GB "
           f"in bf16)")
     print(f"  KV per token per GPU: {est['kv_bytes_per_token_per_gpu']} B; Mamba state per request per GPU: "
           f"{est['state_bytes_per_request_per_gpu'] / 2**20:.2f} MiB")

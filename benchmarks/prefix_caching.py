@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tidal import LLM, SamplingParams
+from tidal import LLM, SamplingParams  # noqa: E402
 
 
 def load_workloads(bench_dir: Path):

@@ -17,7 +17,8 @@ from tidal.layers.sampler import SamplingRow, apply_penalties
 INVALID = [
     ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", -2), ("top_k", 2.5),
-    ("min_p", -0.1), ("min_p", 1.1), ("seed", "abc"), ("seed", 2**64), ("seed", -2**63 - 1), ("max_tokens", 0), ("max_tokens", -5),
+    ("min_p", -0.1), ("min_p", 1.1), ("seed", "abc"), ("seed", 2**64), ("seed", -2**63 - 1),
+    ("max_tokens", 0), ("max_tokens", -5),
     ("max_tokens", 2.0), ("min_tokens", -1), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("presence_penalty", "x"), ("frequency_penalty", -2.5), ("logprobs", -1),
     ("logprobs", 21), ("prompt_logprobs", -1), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),

@@ -203,8 +203,8 @@ def test_engine_text_equals_decode_for_multibyte_output(smollm2):
     # SmolLM2 answers this with emoji (4-byte characters split across byte-level tokens).
     prompt = list(tok.apply_chat_template([{"role": "user", "content": "Say hello in Spanish."}], tokenize=True,
                                           add_generation_prompt=True, return_dict=False))
-    pieces, ids, _ = stream(smollm2.llm_engine, {"multibyte": ({"prompt_token_ids": prompt},
-                                                               SamplingParams(temperature=0, max_tokens=16))})["multibyte"]
+    request = ({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16))
+    pieces, ids, _ = stream(smollm2.llm_engine, {"multibyte": request})["multibyte"]
     text = "".join(pieces)
     assert any(not c.isascii() for c in text)
     assert not any("\ufffd" in p for p in pieces)

@@ -169,6 +169,7 @@ class ModelRunner:
         rows = [q_start + p - r.start_pos for p in positions]
         targets = [r.prompt_token_ids[p + 1] for p in positions]
         logits = self.model.compute_logits(hidden[rows]).float()
-        lps, ranks, top_ids, top_vals = prompt_logprobs(logits, torch.tensor(targets), r.sampling_params.prompt_logprobs)
+        k = r.sampling_params.prompt_logprobs
+        lps, ranks, top_ids, top_vals = prompt_logprobs(logits, torch.tensor(targets), k)
         return [(p + 1, t, lp, rk, ti, tv) for p, t, lp, rk, ti, tv in
                 zip(positions, targets, lps, ranks, top_ids, top_vals)]
