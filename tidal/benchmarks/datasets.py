@@ -47,9 +47,9 @@ def random_requests(num_prompts: int = 128, input_len_range: tuple[int, int] = (
     reqs = []
     for _ in range(num_prompts):
         # Draw order (input length, output length, tokens) is the shared workload's: keep it.
-        L = int(rng.integers(in_lo, in_hi + 1))
-        O = int(rng.integers(out_lo, out_hi + 1))
-        reqs.append({"prompt_token_ids": rng.integers(tok_lo, tok_hi, L).tolist(), "max_tokens": O})
+        prompt_len = int(rng.integers(in_lo, in_hi + 1))
+        output_len = int(rng.integers(out_lo, out_hi + 1))
+        reqs.append({"prompt_token_ids": rng.integers(tok_lo, tok_hi, prompt_len).tolist(), "max_tokens": output_len})
     return reqs
 
 
