@@ -44,6 +44,9 @@ def _build() -> ctypes.CDLL:
     fn = lib.tidal_paged_attention_decode
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn = lib.tidal_rms_norm
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -81,3 +84,24 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
         _DTYPES[q.dtype], torch.get_num_threads())
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Fused (residual add +) RMSNorm over the last dim of a [T, H] CPU tensor. Returns out, or
+    (out, new residual) when a residual is given; None when the native kernel does not apply."""
+    lib = native_lib()
+    if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 2 or weight.dtype != x.dtype
+            or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    T, H = x.shape
+    if residual is None:
+        lib.tidal_rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, T, H, eps,
+                           _DTYPES[x.dtype], torch.get_num_threads())
+        return out
+    residual = residual.contiguous()
+    new_residual = torch.empty_like(x)
+    lib.tidal_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), new_residual.data_ptr(),
+                       T, H, eps, _DTYPES[x.dtype], torch.get_num_threads())
+    return out, new_residual

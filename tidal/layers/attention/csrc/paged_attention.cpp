@@ -233,7 +233,51 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
   }
 }
 
+// RMSNorm over rows of H, optionally after adding a residual, matching the reference computation:
+// s = round(x + residual) (kept as the new residual); y = round(s * rsqrt(mean(s^2) + eps)); out = round(w * y).
+template <int DT>
+static void rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
+                     int64_t T, int64_t H, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> row(H);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t base = t * H;
+      float* r = row.data();
+      for (int64_t i = 0; i < H; ++i) r[i] = load1<DT>(x, base + i);
+      if (residual != nullptr) {
+        for (int64_t i = 0; i < H; ++i) {
+          store1<DT>(residual_out, base + i, r[i] + load1<DT>(residual, base + i));
+          r[i] = load1<DT>(residual_out, base + i);  // the rounded sum, as the reference keeps it
+        }
+      }
+      float partial[16] = {0.f};
+      int64_t i = 0;
+      for (; i + 16 <= H; i += 16)
+        for (int j = 0; j < 16; ++j) partial[j] += r[i + j] * r[i + j];
+      float ss = 0.f;
+      for (int j = 0; j < 16; ++j) ss += partial[j];
+      for (; i < H; ++i) ss += r[i] * r[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+      for (int64_t k = 0; k < H; ++k) {
+        float y = r[k] * inv;
+        if (DT != kF32) { store1<DT>(out, base + k, y); y = load1<DT>(out, base + k); }
+        store1<DT>(out, base + k, load1<DT>(weight, k) * y);
+      }
+    }
+  }
+}
+
 extern "C" {
+// x, residual (may be null), out, residual_out: [T, H]; weight [H]. dtype: 0 f32, 1 bf16, 2 f16.
+void tidal_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
+                    int64_t T, int64_t H, float eps, int dtype, int num_threads) {
+  if (dtype == kF32) rms_norm<kF32>(x, residual, weight, out, residual_out, T, H, eps, num_threads);
+  else if (dtype == kBF16) rms_norm<kBF16>(x, residual, weight, out, residual_out, T, H, eps, num_threads);
+  else rms_norm<kF16>(x, residual, weight, out, residual_out, T, H, eps, num_threads);
+}
+
 // q [B, Hq, D]; k_cache [num_blocks, Hk, D, block_size]; v_cache [num_blocks, Hk, block_size, D];
 // block_tables [B, max_blocks];
 // seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype: 0 f32, 1 bf16, 2 f16.
