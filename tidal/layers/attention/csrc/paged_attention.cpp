@@ -108,6 +108,10 @@ static void softmax_generic(float* s, int64_t L) {
 }
 
 #if defined(__AVX512F__)
+static inline void prefetch_bytes(const char* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
 // exp(x) for x <= 0 (softmax inputs after subtracting the max): Cody-Waite range reduction and a
 // degree-6 polynomial, ~2 ulp.
 static inline __m512 exp512(__m512 x) {
@@ -151,12 +155,21 @@ static void softmax512(float* s, int64_t L) {
 
 // block_size a multiple of 16: the scores of 16 consecutive tokens accumulate in one register.
 template <int DT>
-static void scores512(const float* qf, const void* k_cache, const int64_t* table, int64_t L, int64_t h,
-                      int64_t G, int64_t Hk, int64_t D, int64_t bs, float* scores) {
+static void scores512(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
+                      int64_t h, int64_t G, int64_t Hk, int64_t D, int64_t bs, float* scores) {
   float tmp[kMaxGroup][16];
+  const int64_t chunk_bytes = D * bs * elem_size<DT>();  // one block of one head: contiguous
   for (int64_t start = 0; start < L; start += 16) {
     const int64_t blk = table[start / bs], off = start % bs;
     const int64_t base = (blk * Hk + h) * D * bs + off;
+    if (off == 0) {
+      // hide the next block's memory latency behind this block's math; bring this block's V toward
+      // the core too (the second pass reads it, and a request's V fits in L2)
+      if (start + bs < L)
+        prefetch_bytes(static_cast<const char*>(k_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes,
+                       chunk_bytes);
+      prefetch_bytes(static_cast<const char*>(v_cache) + (blk * Hk + h) * chunk_bytes, chunk_bytes);
+    }
     __m512 acc[kMaxGroup];
     for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
@@ -182,13 +195,20 @@ static void accumulate512(const float* scores, const void* v_cache, const int64_
   __m512 av[kMaxGroup][kMaxChunks];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
-    const int64_t base = ((table[t / bs] * Hk + h) * bs + t % bs) * D;
-    __m512 vv[kMaxChunks];
-    for (int64_t c = 0; c < C; ++c) vv[c] = load16<DT>(v_cache, base + c * 16);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * L + t]);
-      for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
+  const int64_t chunk_bytes = D * bs * elem_size<DT>();
+  for (int64_t start = 0; start < L; start += bs) {  // block by block: no division per token
+    const int64_t n = std::min(bs, L - start);
+    const int64_t block_base = (table[start / bs] * Hk + h) * bs * D;
+    if (start + bs < L)
+      prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
+    for (int64_t off = 0; off < n; ++off) {
+      const int64_t base = block_base + off * D, t = start + off;
+      __m512 vv[kMaxChunks];
+      for (int64_t c = 0; c < C; ++c) vv[c] = load16<DT>(v_cache, base + c * 16);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+        for (int64_t c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
+      }
     }
   }
   for (int64_t g = 0; g < G; ++g)
@@ -217,7 +237,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d) * scale;
 #if defined(__AVX512F__)
       if (vec) {
-        scores512<DT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
+        scores512<DT>(qf.data(), k_cache, v_cache, table, L, h, G, Hk, D, bs, scores.data());
         for (int64_t g = 0; g < G; ++g) softmax512(scores.data() + g * L, L);
         accumulate512<DT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
       } else
