@@ -12,7 +12,7 @@ def _bool_flag(parser, name: str, default: bool, help: str) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None,
+    g.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
                    help="model directory (HF format) or .gguf file; default: SmolLM2-135M-Instruct")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
