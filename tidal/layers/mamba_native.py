@@ -6,73 +6,28 @@ scan in tidal/layers/mamba.py runs instead."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tidal.native import NativeLibrary
 
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "selective_scan.cpp")
-# -ffast-math lets exp vectorise (glibc's vector expf). It is given to the compile step only: linked
-# with it, GCC 12 adds a constructor that sets flush-to-zero for the whole process when the library loads.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17", "-c"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
 _MAX_STATE = 256  # the kernel's per-channel state buffer
-_lock = threading.Lock()
-_lib = None
-_failed = False
 
 
-def _build() -> ctypes.CDLL:
-    with open(_SRC, "rb") as f:
-        src = f.read()
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found")
-    key = hashlib.sha256(src + " ".join([cxx, *_COMPILE_FLAGS, *_LINK_FLAGS]).encode()).hexdigest()[:16]
-    root = os.environ.get("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal"))
-    out_dir = os.path.join(root, "kernels")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"selective_scan-{key}.so")
-    if not os.path.exists(path):
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
-        os.close(fd)
-        obj = tmp + ".o"
-        try:
-            subprocess.run([cxx, *_COMPILE_FLAGS, _SRC, "-o", obj], check=True, capture_output=True)
-            subprocess.run([cxx, *_LINK_FLAGS, obj, "-o", tmp], check=True, capture_output=True)
-        finally:
-            if os.path.exists(obj):
-                os.remove(obj)
-        os.replace(tmp, path)  # atomic: concurrent builders never load half a file
-    lib = ctypes.CDLL(path)
+def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_selective_scan
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 5
-    return lib
+
+
+# -ffast-math lets exp vectorise (glibc's vector expf); NativeLibrary gives it to the compile step only.
+_LIB = NativeLibrary("selective_scan", os.path.join(os.path.dirname(__file__), "csrc", "selective_scan.cpp"),
+                     ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17"], ["-fopenmp"], _configure)
 
 
 def _native_lib() -> ctypes.CDLL | None:
-    global _lib, _failed
-    if _lib is not None or _failed:
-        return _lib
-    with _lock:
-        if _lib is None and not _failed:
-            if os.environ.get("TIDAL_NATIVE_KERNELS", "1") == "0":
-                _failed = True
-            else:
-                try:
-                    _lib = _build()
-                except Exception as e:  # noqa: BLE001  no compiler, build error: fall back to torch ops
-                    logger.warning("native CPU selective scan unavailable (%s); using torch ops", e)
-                    _failed = True
-    return _lib
+    return _LIB.get()
 
 
 def selective_scan_native(dt: torch.Tensor, dtx: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

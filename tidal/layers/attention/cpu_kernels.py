@@ -1,70 +1,33 @@
-"""Native CPU kernels: plain C++ (no torch headers) compiled on first use with the machine's
-compiler into ~/.cache/tidal/kernels and called through ctypes. Without a compiler (or with
-TIDAL_NATIVE_KERNELS=0) the torch implementations are used instead."""
+"""The native CPU kernels of attention and normalisation (csrc/paged_attention.cpp, built by
+tidal/native.py), with thin wrappers that return None when the kernel cannot run so callers fall
+back to torch ops."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tidal.native import NativeLibrary
 
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_lock = threading.Lock()
-_lib = None
-_failed = False
 
 
-def _build() -> ctypes.CDLL:
-    with open(_SRC, "rb") as f:
-        src = f.read()
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found")
-    key = hashlib.sha256(src + " ".join([cxx] + _FLAGS).encode()).hexdigest()[:16]
-    root = os.environ.get("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal"))
-    out_dir = os.path.join(root, "kernels")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"paged_attention-{key}.so")
-    if not os.path.exists(path):
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
-        os.close(fd)
-        subprocess.run([cxx, *_FLAGS, _SRC, "-o", tmp], check=True, capture_output=True)
-        os.replace(tmp, path)  # atomic: concurrent builders never load half a file
-    lib = ctypes.CDLL(path)
+def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_attention_decode
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn = lib.tidal_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    return lib
+
+
+_LIB = NativeLibrary("paged_attention", os.path.join(os.path.dirname(__file__), "csrc", "paged_attention.cpp"),
+                     ["-O3", "-march=native", "-fopenmp", "-std=c++17"], ["-fopenmp"], _configure)
 
 
 def native_lib() -> ctypes.CDLL | None:
-    global _lib, _failed
-    if _lib is not None or _failed:
-        return _lib
-    with _lock:
-        if _lib is None and not _failed:
-            if os.environ.get("TIDAL_NATIVE_KERNELS", "1") == "0":
-                _failed = True
-            else:
-                try:
-                    _lib = _build()
-                except Exception as e:  # no compiler, build error: fall back to torch ops
-                    logger.warning("native CPU attention kernel unavailable (%s); using torch ops", e)
-                    _failed = True
-    return _lib
+    return _LIB.get()
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
