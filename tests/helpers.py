@@ -2,7 +2,12 @@
 safetensors to a folder, so the real loading path runs."""
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -79,3 +84,42 @@ def assert_engine_idle(engine) -> None:
     pool = engine.kv_manager.pool
     pool.check_invariants()
     assert pool.num_free_blocks == pool.num_blocks
+
+
+@contextlib.contextmanager
+def running_server(serve_args: list[str], log_path, startup_timeout: float):
+    """A real `tidal serve` process on a free 127.0.0.1 port: yields (process, base URL) once /health
+    answers, fails the test with the server's log if it dies or is not ready in time, stops it after."""
+    import httpx
+    import pytest
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TIDAL_API_KEY", None)
+    cmd = [sys.executable, "-m", "tidal.entrypoints.cli", "serve", *serve_args, "--host", "127.0.0.1",
+           "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + startup_timeout
+    try:
+        while True:  # readiness: poll /health until the server answers (or dies)
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready in {startup_timeout} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.25)
+        yield proc, base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

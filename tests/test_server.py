@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import running_server
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,46 +22,13 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 STARTUP_TIMEOUT = 240  # seconds; loading the model on a busy 2-core machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """Base URL of a running `tidal serve`; its log is printed if it fails to start."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TIDAL_API_KEY", None)
-    cmd = [sys.executable, "-m", "tidal.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-cache-memory-bytes", "67108864", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
-           "--disable-log-requests", "--uvicorn-log-level", "warning"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    try:
-        while True:  # readiness: poll /health until the server answers (or dies)
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready in {STARTUP_TIMEOUT} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.25)
+    args = ["--kv-cache-memory-bytes", "67108864", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+            "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    with running_server(args, tmp_path_factory.mktemp("server") / "server.log", STARTUP_TIMEOUT) as (_, base):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
