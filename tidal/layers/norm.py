@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.layers.attention import cpu_kernels
+from tidal.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):

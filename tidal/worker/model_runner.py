@@ -14,7 +14,8 @@ import torch
 
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
 from tidal.forward_context import set_forward_context
-from tidal.layers.attention import Attention, AttentionMetadata, cpu_kernels
+from tidal.layers import cpu_kernels
+from tidal.layers.attention import Attention, AttentionMetadata
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample

@@ -5,7 +5,7 @@ on CPU (and anywhere torch does); a GPU backend implements the same two function
 KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`).
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
 so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
-without horizontal sums. Decodes use the native CPU kernel (cpu_kernels.py) when it is available,
+without horizontal sums. Decodes use the native CPU kernel (tidal/layers/cpu_kernels.py) when it is available,
 reading K/V in place; the torch path gathers them.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.forward_context import get_forward_context
-from tidal.layers.attention import cpu_kernels
+from tidal.layers import cpu_kernels
 from tidal.layers.attention.metadata import AttentionMetadata
 
 

@@ -1,4 +1,4 @@
-"""The native CPU kernels of attention and normalisation (csrc/paged_attention.cpp, built by
+"""The native CPU kernels of paged attention and RMSNorm (csrc/paged_attention.cpp, built by
 tidal/native.py), with thin wrappers that return None when the kernel cannot run so callers fall
 back to torch ops."""
 from __future__ import annotations
