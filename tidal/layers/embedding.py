@@ -11,7 +11,7 @@ from tidal.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from tidal.layers.linear import pack_linear_weight, packed_linear
+from tidal.layers.linear import cpu_linear, pack_linear_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,7 +52,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] logits, gathered across ranks."""
-        packed = getattr(self, "packed_weight", None)
-        logits = packed_linear(hidden, packed, None) if packed is not None else F.linear(hidden, self.weight)
+        logits = cpu_linear(hidden, self.weight, getattr(self, "packed_weight", None), None)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size]

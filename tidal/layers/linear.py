@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, skinny_linear
 
 
 class UnquantizedLinearMethod:
@@ -25,10 +26,23 @@ class UnquantizedLinearMethod:
         layer.packed_weight = pack_linear_weight(layer.weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = getattr(layer, "packed_weight", None)
-        if packed is not None:
-            return packed_linear(x, packed, bias)
-        return F.linear(x, layer.weight, bias)
+        return cpu_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias). Where a prepacked copy exists (bf16/fp16 on CPU), one- and two-row
+    products (decode of one or two requests) go to the native skinny kernel, which streams the plain
+    weight once; larger ones to oneDNN's prepacked GEMM. Otherwise F.linear."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.shape[0] <= SKINNY_MAX_ROWS:
+        out = skinny_linear(x2, weight, bias)
+        if out is not None:
+            return out.view(*shape[:-1], out.shape[-1])
+    return packed_linear(x, packed, bias)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:

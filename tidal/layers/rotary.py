@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from tidal.layers import cpu_kernels
+
 
 def _inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
@@ -60,6 +62,9 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T]; x [T, H, D] (q and k heads side by side) -> rotated copy."""
+        out = cpu_kernels.rope_neox(x, self.cos_full, self.sin_signed, positions)
+        if out is not None:
+            return out
         cos, sin = self._lookup(positions, x.dtype)
         h = self.head_dim // 2
         swapped = torch.cat((x[..., h:], x[..., :h]), dim=-1)

@@ -70,6 +70,8 @@ def split_kv_cache(kv_cache: torch.Tensor):
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's k/v [T, Hk, D] at their slots (slot = block * block_size + offset)."""
+    if cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping):
+        return
     block_size = v_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)

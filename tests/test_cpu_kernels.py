@@ -1,0 +1,78 @@
+"""The native CPU kernels against the torch code they replace."""
+import pytest
+import torch
+
+from tidal.layers import cpu_kernels
+from tidal.layers.attention.layer import decode_attention, kv_cache_shape, split_kv_cache
+from tidal.layers.rotary import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _need_native():
+    assert cpu_kernels.native_lib() is not None, "the native CPU kernels failed to build"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_matches_torch(dtype):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 512, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    qkv = torch.randn(7, 12 * 64, dtype=dtype)
+    x = qkv[:, :8 * 64].view(7, 8, 64)  # strided rows, as the model passes q and k heads of a fused qkv
+    positions = torch.tensor([0, 5, 17, 100, 255, 256, 511])
+    native = cpu_kernels.rope_neox(x, rope.cos_full, rope.sin_signed, positions)
+    cos = rope.cos_full[positions].unsqueeze(1).to(dtype)
+    sin = rope.sin_signed[positions].unsqueeze(1).to(dtype)
+    reference = torch.addcmul(x * cos, torch.cat((x[..., 32:], x[..., :32]), -1), sin)
+    torch.testing.assert_close(native, reference, atol=1e-6 if dtype == torch.float32 else 0, rtol=1e-6 if
+                               dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_indexing(dtype):
+    torch.manual_seed(0)
+    nb, hk, bs, d = 6, 3, 4, 16
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=dtype)
+    k_cache, v_cache = split_kv_cache(kv)
+    qkv = torch.randn(5, 4 * hk * d, dtype=dtype)
+    k, v = qkv[:, hk * d:2 * hk * d].view(5, hk, d), qkv[:, 3 * hk * d:].view(5, hk, d)
+    slots = torch.tensor([0, 3, 9, 22, 13])
+    assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    expected = torch.zeros_like(kv)
+    ek, ev = split_kv_cache(expected)
+    ek[slots // bs, :, :, slots % bs] = k
+    ev[slots // bs, :, slots % bs, :] = v
+    assert torch.equal(kv, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_matches_torch(dtype):
+    torch.manual_seed(0)
+    nb, hk, hq, bs, d = 40, 3, 9, 16, 64
+    kv = torch.randn(kv_cache_shape(nb, bs, hk, d), dtype=dtype)
+    k_cache, v_cache = split_kv_cache(kv)
+    seq_lens = torch.tensor([1, 17, 150, 33])
+    tables = torch.randperm(nb)[:40].view(4, 10)
+    q = torch.randn(4, hq, d, dtype=dtype)
+    native = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, d ** -0.5)
+    reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, 150, d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native.float(), reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("k", [576, 100])  # a multiple of 32 and a ragged tail
+def test_skinny_gemm_matches_fp32_product(rows, k):
+    torch.manual_seed(0)
+    x = torch.randn(rows, k).bfloat16()
+    w = torch.randn(1027, k).bfloat16()  # not a multiple of the 4-row tile
+    bias = torch.randn(1027).bfloat16()
+    out = cpu_kernels.skinny_linear(x, w, bias)
+    if out is None:
+        pytest.skip("this CPU has no AVX-512 BF16")  # the caller then uses oneDNN
+    reference = (x.float() @ w.float().t() + bias.float()).bfloat16()
+    # same products, fp32 accumulation in another order: one bf16 rounding step apart (plus the
+    # accumulation error, visible only where the sum cancels to near zero)
+    torch.testing.assert_close(out.float(), reference.float(), atol=1e-3, rtol=2 ** -7)
