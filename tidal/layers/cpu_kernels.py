@@ -24,6 +24,9 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_rope_neox
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    fn = lib.tidal_silu_and_mul_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     fn = lib.tidal_write_kv
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
@@ -88,6 +91,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.contiguous().data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype])
     return True
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(x[..., :d]) * x[..., d:] for a contiguous bf16 CPU tensor [T, 2d]; None where the
+    native kernel does not apply."""
+    lib = native_lib()
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        return None
+    T, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(T, d, dtype=x.dtype)
+    if lib.tidal_silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), T, d, torch.get_num_threads()) != 0:
+        return None
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

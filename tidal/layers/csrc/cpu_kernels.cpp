@@ -136,6 +136,22 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// fp32 -> bf16 with round to nearest even (NaN handling aside, as float_to_bf16)
+static inline __m256i cvt512_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 round512_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt512_bf16(v)), 16));
+}
+
+static inline void store16_bf16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), cvt512_bf16(v));
+}
+
 static void softmax512(float* s, int64_t L) {
   __m512 mv = _mm512_set1_ps(-INFINITY);
   int64_t t = 0;
@@ -157,6 +173,29 @@ static void softmax512(float* s, int64_t L) {
   t = 0;
   for (; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), iv));
   for (int64_t u = t; u < L; ++u) s[u] *= inv;
+}
+
+// silu(gate) * up over rows [gate | up] of 2 * d bf16 values, matching the reference computation
+// (each op rounds to bf16): s = round(g / (1 + exp(-g))); out = round(s * u).
+static void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t T, int64_t d, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * d > 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = x + t * 2 * d;
+    const uint16_t* u = g + d;
+    uint16_t* o = out + t * d;
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      const __m512 gv = load16<kBF16>(g, i), uv = load16<kBF16>(u, i);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      const __m512 sv = round512_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store16_bf16(o + i, _mm512_mul_ps(sv, uv));
+    }
+    for (; i < d; ++i) {
+      const float gi = load1<kBF16>(g, i);
+      const float si = round_to<kBF16>(gi / (1.f + std::exp(-gi)));
+      store1<kBF16>(o, i, si * load1<kBF16>(u, i));
+    }
+  }
 }
 
 // block_size a multiple of 16: the scores of 16 consecutive tokens accumulate in one register.
@@ -389,6 +428,17 @@ static void rms_norm(const void* x, const void* residual, const void* weight, vo
 }
 
 extern "C" {
+// x [T, 2 * d] bf16 (gate, up); out [T, d] bf16. Returns -1 where this build has no vector path.
+int tidal_silu_and_mul_bf16(const void* x, void* out, int64_t T, int64_t d, int num_threads) {
+#if defined(__AVX512F__)
+  silu_and_mul_bf16(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, d, num_threads);
+  return 0;
+#else
+  (void)x; (void)out; (void)T; (void)d; (void)num_threads;
+  return -1;
+#endif
+}
+
 // x rows of stride x_stride holding [H, D]; cos_full, sin_signed [max_position, D] fp32; out [T, H, D].
 void tidal_rope_neox(const void* x, int64_t x_stride, const float* cos_full, const float* sin_signed,
                      const int64_t* positions, void* out, int64_t T, int64_t H, int64_t D, int dtype,
