@@ -231,6 +231,7 @@ def test_ray_tp2_matches_single_process(tmp_path_factory):
 
 
 # -- Mixtral (MoE experts sharded) and Jamba (Mamba split along its inner dimension) -------------------
+# (their pipeline stages: tests/test_hybrid_parallel.py)
 @pytest.mark.parametrize("kind", ["mixtral", "jamba"])
 def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
     from tests.test_hybrid import ENGINE as HYBRID_ENGINE
@@ -243,8 +244,6 @@ def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
     llm = LLM(path, tensor_parallel_size=2, **engine)
     _assert_same(ref, llm.generate(prompts, PARAMS, use_tqdm=False))
     llm.llm_engine.shutdown()
-    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
-        LLM(path, pipeline_parallel_size=2, **engine)
 
 
 # -- the server -----------------------------------------------------------------------------------------
