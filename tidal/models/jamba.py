@@ -30,7 +30,7 @@ class JambaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=False, dtype=dtype,
                                           quant_method=quant)
         self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=False, dtype=dtype,
-                                        quant_method=quant)
+                                        quant_method=quant, rank_sizes=self.qkv_proj.q_rank_sizes)
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim ** -0.5, self.qkv_proj.num_kv_heads)

@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
                                           quant_method=quant)
         o_bias = getattr(config, "model_type", "") != "qwen2" and getattr(config, "attention_bias", False)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias, dtype=dtype,
-                                        quant_method=quant)
+                                        quant_method=quant, rank_sizes=self.qkv_proj.q_rank_sizes)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
