@@ -1,7 +1,7 @@
 """Tensor / pipeline parallelism: what each rank holds and what the communication costs, plus a paper
 estimate for Jamba-Large on 8 GPUs with int8 weights.
 
-    python benchmarks/parallel.py                       # measure tp=1, tp=3, pp=2 on the default model
+    python benchmarks/parallel.py                       # measure tp=1, tp=2, pp=2 on the default model
     python benchmarks/parallel.py --configs 1x1,1x2,1x3 # TPxPP pairs
     python benchmarks/parallel.py --estimate-only       # only the Jamba-Large estimate (no model run)
     python benchmarks/parallel.py --overhead            # per-step cost of the workers on a tiny model
@@ -157,7 +157,7 @@ def report_estimate(results: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
-    ap.add_argument("--configs", default="1x1,3x1,1x2", help="comma-separated TPxPP pairs")
+    ap.add_argument("--configs", default="1x1,2x1,1x2", help="comma-separated TPxPP pairs")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
@@ -180,7 +180,7 @@ def main() -> None:
             tp, pp = (int(x) for x in pair.lower().split("x"))
             try:
                 r = measure(args.model, tp, pp, args.num_prompts, args.input_len, args.output_len, args.dtype)
-            except Exception as e:  # noqa: BLE001 - report the refusal (e.g. heads not divisible) and go on
+            except Exception as e:  # noqa: BLE001 - report the refusal (e.g. heads that cannot split) and go on
                 print(f"{tp:>3} {pp:>3}  refused: {str(e).splitlines()[0][:150]}")
                 results["runs"].append({"tp": tp, "pp": pp, "error": str(e).splitlines()[0]})
                 continue

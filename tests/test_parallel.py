@@ -15,11 +15,13 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from tests.helpers import random_prompts, save_tiny_model, tiny_config
 from tidal import LLM, SamplingParams
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
 from tidal.distributed import get_pp_indices
+from tidal.layers.linear import HeadShard, split_heads
 from tidal.worker.executor import WorkerError
 from tidal.worker.worker import split_batch
 
@@ -94,6 +96,15 @@ def tp2_pp2_mqa(tmp_path_factory):
     h.close()
 
 
+@pytest.fixture(scope="module")
+def tp2_uneven(tmp_path_factory):
+    # 6 query heads in 3 KV-head groups over two ranks: rank 0 takes 2 KV heads (4 query heads), rank 1 one (2)
+    h = _Holder(_model(tmp_path_factory, "uneven", hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+                tensor_parallel_size=2)
+    yield h
+    h.close()
+
+
 def _all_gone(pids, timeout=10.0) -> bool:
     procs = []
     for pid in pids:
@@ -128,6 +139,57 @@ def test_split_batch_keeps_order_and_balances_tokens():
     assert len(split_batch(SchedulerOutput([req(0, 5)], 5), 2)) == 1
 
 
+def test_heads_split_by_kv_head_group_evenly_unevenly_or_replicated():
+    assert split_heads(6, 3, 2) == [HeadShard(0, 4, 0, 2), HeadShard(4, 2, 2, 1)]
+    assert split_heads(9, 3, 2) == [HeadShard(0, 6, 0, 2), HeadShard(6, 3, 2, 1)]
+    assert split_heads(8, 4, 2) == [HeadShard(0, 4, 0, 2), HeadShard(4, 4, 2, 2)]
+    assert split_heads(4, 1, 2) == [HeadShard(0, 2, 0, 1), HeadShard(2, 2, 0, 1)]  # one KV head, replicated
+    for heads, kv_heads in [(9, 3), (12, 4), (8, 8), (6, 2), (32, 8), (4, 1)]:
+        group = heads // kv_heads
+        for tp in range(1, heads + 1):
+            try:
+                shards = split_heads(heads, kv_heads, tp)
+            except ValueError:
+                assert kv_heads < tp
+                continue
+            # every query head on exactly one rank, next to the KV heads it attends to
+            assert [q for s in shards for q in range(s.q_start, s.q_start + s.num_heads)] == list(range(heads))
+            for s in shards:
+                assert s.kv_start <= s.q_start // group
+                assert (s.q_start + s.num_heads - 1) // group < s.kv_start + s.num_kv_heads
+            if kv_heads >= tp:
+                assert [s.num_kv_heads for s in shards] == sorted((s.num_kv_heads for s in shards), reverse=True)
+                assert shards[0].num_kv_heads - shards[-1].num_kv_heads <= 1
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 cannot split the model's 9 attention heads "
+                                         r"\(3 KV heads\).*possible sizes: \[1, 2, 3, 9\]"):
+        split_heads(9, 3, 4)
+
+
+def test_uneven_head_split_loads_every_row_and_column_once(tmp_path_factory):
+    """Rank shards of q, k, v (rows) and o_proj (columns) put back together are the checkpoint's."""
+    from safetensors.torch import load_file
+
+    from tidal.distributed import set_parallel_state
+    from tidal.loader import load_model
+    path = _model(tmp_path_factory, "shards", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    ckpt = load_file(os.path.join(path, "model.safetensors"))
+    ranks = []
+    try:
+        for r in range(2):
+            set_parallel_state(tp_rank=r, tp_size=2)
+            ranks.append(load_model(path, "float32").model)
+    finally:
+        set_parallel_state()
+    for i in range(3):
+        attn = [m.model.layers[i].self_attn for m in ranks]
+        assert [(a.num_heads, a.num_kv_heads) for a in attn] == [(4, 2), (2, 1)]
+        q, k, v = zip(*(a.qkv_proj.weight.split([a.q_size, a.kv_size, a.kv_size]) for a in attn))
+        prefix = f"model.layers.{i}.self_attn."
+        for name, parts in (("q", q), ("k", k), ("v", v)):
+            assert torch.equal(torch.cat(parts), ckpt[f"{prefix}{name}_proj.weight"]), name
+        assert torch.equal(torch.cat([a.o_proj.weight for a in attn], dim=1), ckpt[f"{prefix}o_proj.weight"])
+
+
 # -- parallel == single process ---------------------------------------------------------------------
 def test_tp2_matches_single_process(tp2):
     infos = tp2.llm.llm_engine.executor.worker_infos
@@ -140,6 +202,19 @@ def test_tp2_shards_the_weights(tp2):
     per_rank = [i.weight_bytes for i in tp2.llm.llm_engine.executor.worker_infos]
     # everything is split in two except the norms (replicated): each rank holds a little over half
     assert all(0.5 * full < b < 0.52 * full for b in per_rank), (per_rank, full)
+
+
+def test_tp2_with_heads_split_unevenly_matches_single_process(tp2_uneven):
+    _assert_same(tp2_uneven.ref, _generate(tp2_uneven.llm))
+    engine = tp2_uneven.llm.llm_engine
+    # every rank gets the blocks of rank 0, which holds 2 of the 3 KV heads: 3 layers x K, V x 2 x 16 dims x fp32
+    assert engine.kv_plan.bytes_per_token == 3 * 2 * 2 * 16 * 4
+    full = LLM(engine.config.model, **ENGINE).llm_engine.runner.model
+    replicated = sum(p.numel() * 4 for n, p in full.named_parameters() if "norm" in n)
+    # the shards add up to the whole model, plus one more copy of the (replicated) norms
+    per_rank = [i.weight_bytes for i in engine.executor.worker_infos]
+    assert sum(per_rank) == sum(p.numel() * 4 for p in full.parameters()) + replicated
+    assert per_rank[0] > per_rank[1]  # rank 0 holds twice rank 1's attention heads
 
 
 def test_pp2_tied_embeddings_matches_single_process(pp2_tied):
@@ -206,8 +281,8 @@ def test_impossible_layouts_are_refused_before_any_worker_starts(tmp_path_factor
     path = _model(tmp_path_factory, "refused")
     with pytest.raises(ValueError, match="'uni' runs one process"):
         LLM(path, tensor_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's 4 attention heads; "
-                                         r"possible sizes: \[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 cannot split the model's 4 attention heads "
+                                         r"\(2 KV heads\).*possible sizes: \[1, 2, 4\]"):
         LLM(path, tensor_parallel_size=3, **ENGINE)
 
 
@@ -231,6 +306,7 @@ def test_ray_tp2_matches_single_process(tmp_path_factory):
 
 
 # -- Mixtral (MoE experts sharded) and Jamba (Mamba split along its inner dimension) -------------------
+# (their pipeline stages: tests/test_hybrid_parallel.py)
 @pytest.mark.parametrize("kind", ["mixtral", "jamba"])
 def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
     from tests.test_hybrid import ENGINE as HYBRID_ENGINE
@@ -243,8 +319,6 @@ def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
     llm = LLM(path, tensor_parallel_size=2, **engine)
     _assert_same(ref, llm.generate(prompts, PARAMS, use_tqdm=False))
     llm.llm_engine.shutdown()
-    with pytest.raises(ValueError, match="does not support pipeline parallelism"):
-        LLM(path, pipeline_parallel_size=2, **engine)
 
 
 # -- the server -----------------------------------------------------------------------------------------

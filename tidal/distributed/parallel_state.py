@@ -115,18 +115,21 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
-# -- pipeline stages: hidden states and residual travel as one [2, num_tokens, hidden] tensor ------
-def pp_send_hidden(hidden: torch.Tensor, residual: torch.Tensor) -> None:
-    """Send to the next stage without waiting, so this stage can start on the next micro-batch;
-    `wait_pp_sends()` completes the sends at the end of the step."""
-    buf = torch.stack([hidden, residual])
+# -- pipeline stages: the tensors a stage hands over travel as one [n, num_tokens, hidden] tensor --------
+def pp_send_hidden(*tensors: torch.Tensor) -> None:
+    """Send a stage's output (hidden states and residual, or a model's single residual stream) to the
+    next stage without waiting, so this stage can start on the next micro-batch; `wait_pp_sends()`
+    completes the sends at the end of the step."""
+    buf = torch.stack(tensors)
     _PENDING_SENDS.append((torch.distributed.isend(buf, dst=_PP_NEXT), buf))
 
 
-def pp_recv_hidden(num_tokens: int, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype)
+def pp_recv_hidden(num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                   num_tensors: int = 2) -> tuple[torch.Tensor, ...]:
+    """The previous stage's `pp_send_hidden(*tensors)`: num_tensors tensors [num_tokens, hidden_size]."""
+    buf = torch.empty(num_tensors, num_tokens, hidden_size, dtype=dtype)
     torch.distributed.recv(buf, src=_PP_PREV)
-    return buf[0], buf[1]
+    return tuple(buf.unbind(0))
 
 
 def wait_pp_sends() -> None:

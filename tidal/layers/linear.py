@@ -4,11 +4,17 @@ so weights are sharded as they load. The matmul itself is a pluggable `quant_met
 
     ColumnParallelLinear   weight [out / tp, in]; output stays sharded
     MergedColumnParallelLinear   several column-parallel outputs fused (gate_up_proj)
-    QKVParallelLinear      q, k, v fused; KV heads replicated when fewer than ranks
+    QKVParallelLinear      q, k, v fused, split by KV-head group (`split_heads`): possibly unevenly,
+                           KV heads replicated when fewer than ranks
     RowParallelLinear      weight [out, in / tp]; partial outputs summed with one all-reduce
     ReplicatedLinear       every rank holds the whole weight
+
+Column- and row-parallel layers split evenly unless given `rank_sizes` (each rank's output, resp.
+input, size): attention's QKV and output projections use that for head counts the ranks do not divide.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -97,17 +103,22 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded)
 
 
+def _even_split(size: int, tp: int, what: str) -> list[int]:
+    if size % tp:
+        raise ValueError(f"{what} {size} is not divisible by tensor_parallel_size {tp}")
+    return [size // tp] * tp
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32,
-                 quant_method=None) -> None:
-        tp = get_tp_size()
-        if out_features % tp:
-            raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {tp}")
-        super().__init__(in_features, out_features // tp, bias, dtype, quant_method)
+                 quant_method=None, rank_sizes: list[int] | None = None) -> None:
+        """rank_sizes: each rank's rows, for an uneven split (default: out_features / tp each)."""
+        self.rank_sizes = rank_sizes or _even_split(out_features, get_tp_size(), "output size")
+        super().__init__(in_features, self.rank_sizes[get_tp_rank()], bias, dtype, quant_method)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
-        size = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+        start = sum(self.rank_sizes[:self.tp_rank])
+        default_weight_loader(param, loaded.narrow(0, start, param.shape[0]))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -127,49 +138,85 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """One tensor-parallel rank's attention heads: query heads [q_start, q_start + num_heads) and KV
+    heads [kv_start, kv_start + num_kv_heads) of the checkpoint's."""
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+
+def split_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> list[HeadShard]:
+    """Each rank's attention heads, split by KV-head group so that a rank's query heads attend to its
+    own KV heads. With at least as many KV heads as ranks, each rank gets a contiguous range of KV
+    heads, counts differing by at most one (the first ranks take the extra: 3 over 2 ranks is 2 + 1),
+    with their num_heads / num_kv_heads query heads each. With fewer KV heads than ranks, each KV head
+    is replicated on tp / num_kv_heads ranks that split its query heads evenly, so tp must be a
+    multiple of num_kv_heads and divide num_heads."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads  # query heads per KV head
+    if num_kv_heads >= tp_size:
+        base, extra = divmod(num_kv_heads, tp_size)
+        starts = [r * base + min(r, extra) for r in range(tp_size + 1)]
+        return [HeadShard(a * group, (b - a) * group, a, b - a) for a, b in zip(starts, starts[1:])]
+    if tp_size % num_kv_heads or num_heads % tp_size:
+        valid = [t for t in range(1, num_heads + 1)
+                 if t <= num_kv_heads or (t % num_kv_heads == 0 and num_heads % t == 0)]
+        raise ValueError(f"tensor_parallel_size {tp_size} cannot split the model's {num_heads} attention heads "
+                         f"({num_kv_heads} KV heads): with fewer KV heads than ranks, the size must be a multiple "
+                         f"of the KV heads and divide the attention heads; possible sizes: {valid}")
+    per_rank, replicas = num_heads // tp_size, tp_size // num_kv_heads
+    return [HeadShard(r * per_rank, per_rank, r // replicas, 1) for r in range(tp_size)]
+
+
 class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v of this rank's heads (`split_heads`), fused: rows [q heads | k heads | v heads]."""
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, dtype=torch.float32, quant_method=None) -> None:
-        tp = get_tp_size()
-        if num_heads % tp:
-            raise ValueError(f"num_attention_heads {num_heads} is not divisible by tensor_parallel_size {tp}")
-        if num_kv_heads >= tp and num_kv_heads % tp:
-            raise ValueError(f"num_key_value_heads {num_kv_heads} is not divisible by tensor_parallel_size {tp}")
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp
-        # Fewer KV heads than ranks: each rank keeps one KV head, replicated across tp / num_kv_heads ranks.
-        self.num_kv_heads = max(1, num_kv_heads // tp)
-        self.kv_replicas = max(1, tp // num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out, bias, dtype, quant_method)
+        self.shards = split_heads(num_heads, num_kv_heads, get_tp_size())
+        self.shard = self.shards[get_tp_rank()]
+        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
+        sizes = [(s.num_heads + 2 * s.num_kv_heads) * head_dim for s in self.shards]
+        super().__init__(hidden_size, sum(sizes), bias, dtype, quant_method, rank_sizes=sizes)
+
+    @property
+    def q_rank_sizes(self) -> list[int]:
+        """Each rank's query width: the input split of the matching row-parallel output projection."""
+        return [s.num_heads * self.head_dim for s in self.shards]
 
     def weight_loader(self, param, loaded, shard_id: str | None = None) -> None:
         if shard_id is None:
             raise ValueError("QKVParallelLinear loads q, k and v separately")
-        d = self.head_dim
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        d, shard = self.head_dim, self.shard
+        q_size, kv_size = shard.num_heads * d, shard.num_kv_heads * d
         if shard_id == "q":
-            offset, size, src_rank = 0, q_size, self.tp_rank
+            offset, start, size = 0, shard.q_start * d, q_size
         else:
             offset = q_size + (0 if shard_id == "k" else kv_size)
-            size, src_rank = kv_size, self.tp_rank // self.kv_replicas
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, src_rank * size, size))
+            start, size = shard.kv_start * d, kv_size
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
 
 
 class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.float32,
-                 quant_method=None, reduce_results: bool = True) -> None:
-        tp = get_tp_size()
-        if in_features % tp:
-            raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {tp}")
+                 quant_method=None, reduce_results: bool = True, rank_sizes: list[int] | None = None) -> None:
+        """rank_sizes: each rank's input columns, for an uneven split (default: in_features / tp each)."""
         self.reduce_results = reduce_results
-        super().__init__(in_features // tp, out_features, bias, dtype, quant_method)
+        self.rank_sizes = rank_sizes or _even_split(in_features, get_tp_size(), "input size")
+        if sum(self.rank_sizes) != in_features:
+            raise ValueError(f"rank_sizes {self.rank_sizes} do not add up to the input size {in_features}")
+        super().__init__(self.rank_sizes[get_tp_rank()], out_features, bias, dtype, quant_method)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias: whole on every rank, added once after the reduction
             return default_weight_loader(param, loaded)
-        size = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
+        start = sum(self.rank_sizes[:self.tp_rank])
+        default_weight_loader(param, loaded.narrow(1, start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

@@ -6,18 +6,20 @@ RMSNorms on dt, B and C. Module names match Hugging Face checkpoints."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 
+from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.attention import Attention
-from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.layers.embedding import VocabParallelEmbedding
 from tidal.layers.linear import QKVParallelLinear, RowParallelLinear
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.moe import SparseMoeBlock, split_expert_weights
 from tidal.layers.norm import RMSNorm
 from tidal.models.llama import LlamaMLP
-from tidal.models.utils import load_stacked_weights
+from tidal.models.utils import load_stacked_weights, make_layers, make_lm_head, stage_weights
 
 
 class JambaAttention(nn.Module):
@@ -28,7 +30,7 @@ class JambaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=False, dtype=dtype,
                                           quant_method=quant)
         self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=False, dtype=dtype,
-                                        quant_method=quant)
+                                        quant_method=quant, rank_sizes=self.qkv_proj.q_rank_sizes)
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, head_dim ** -0.5, self.qkv_proj.num_kv_heads)
@@ -72,22 +74,34 @@ class JambaDecoderLayer(nn.Module):
 
 
 class JambaModel(nn.Module):
+    """Pipeline stages as in LlamaModel: a stage builds its layers [start_layer, end_layer) only, so it
+    holds (and the runner allocates) the KV cache and Mamba state of those layers alone."""
+
     def __init__(self, config, dtype, quant=None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, dtype, quant)
-                                    for i in range(config.num_hidden_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+                             if is_first_pp_stage() else None)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: JambaDecoderLayer(config, i, dtype, quant))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if is_last_pp_stage() else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype)
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(hidden, residual)
+        if self.final_layernorm is None:  # not the last stage: hand over to the next one
+            pp_send_hidden(hidden, residual)
+            return hidden
         hidden, _ = self.final_layernorm(hidden, residual)
         return hidden
 
 
 class JambaForCausalLM(nn.Module):
+    supports_pp = True  # builds only its stage's layers (JambaModel)
     stacked_params = (
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
@@ -97,10 +111,9 @@ class JambaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = JambaModel(config, dtype, quant)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
+                                               self.model.embed_tokens, self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -109,5 +122,8 @@ class JambaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ("experts.w13_weight", "experts.w2_weight") + (("lm_head.weight",) if self.tie_word_embeddings else ())
+        skip = ("experts.w13_weight", "experts.w2_weight") + (("lm_head.weight",) if self.tied else ())
+        if get_pp_size() > 1:  # before the experts are split out: other stages' experts have no place here
+            copy = "model.embed_tokens.weight" if self.tie_word_embeddings and not self.tied else None
+            weights = stage_weights(self, weights, "model.layers.", self.model.start_layer, self.model.end_layer, copy)
         return load_stacked_weights(self, split_expert_weights(self, weights), self.stacked_params, skip)

@@ -9,22 +9,14 @@ from itertools import islice
 import torch
 from torch import nn
 
-from tidal.distributed import (
-    get_pp_indices,
-    get_pp_rank,
-    get_pp_size,
-    is_first_pp_stage,
-    is_last_pp_stage,
-    pp_recv_hidden,
-    pp_send_hidden,
-)
+from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.activation import SiluAndMul
 from tidal.layers.attention import Attention
-from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.layers.embedding import VocabParallelEmbedding
 from tidal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import get_rope
-from tidal.models.utils import load_stacked_weights
+from tidal.models.utils import load_stacked_weights, make_layers, make_lm_head, stage_weights
 
 
 class LlamaAttention(nn.Module):
@@ -39,7 +31,7 @@ class LlamaAttention(nn.Module):
                                           quant_method=quant)
         o_bias = getattr(config, "model_type", "") != "qwen2" and getattr(config, "attention_bias", False)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias, dtype=dtype,
-                                        quant_method=quant)
+                                        quant_method=quant, rank_sizes=self.qkv_proj.q_rank_sizes)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
@@ -98,17 +90,16 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """With pipeline parallelism a stage builds only its layers [start_layer, end_layer) (the others
     are empty placeholders, so parameter names still match the checkpoint); the embedding lives on
-    the first stage, the final norm on the last, and hidden states + residual travel between stages."""
+    the first stage, the final norm on the last, and hidden states + residual travel between stages.
+    Mixtral is this model with its own decoder layer (`layer_cls`)."""
 
-    def __init__(self, config, dtype, quant=None) -> None:
+    def __init__(self, config, dtype, quant=None, layer_cls: type[nn.Module] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.hidden_size, self.dtype = config.hidden_size, dtype
-        self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, get_pp_rank(), get_pp_size())
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
                              if is_first_pp_stage() else None)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, quant)
-                                    if self.start_layer <= i < self.end_layer else nn.Identity()
-                                    for i in range(config.num_hidden_layers))
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: layer_cls(config, dtype, quant))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if is_last_pp_stage() else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -136,12 +127,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, quant)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype) if is_last_pp_stage() else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # tied, but split across stages: the last stage keeps its own copy of the embedding as LM head
-        self.tied = self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None
-        if self.tied:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
+                                               self.model.embed_tokens, self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -152,22 +140,6 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tied else ())
         if get_pp_size() > 1:
-            weights = self._stage_weights(weights)
+            copy = "model.embed_tokens.weight" if self.tie_word_embeddings and not self.tied else None
+            weights = stage_weights(self, weights, "model.layers.", self.model.start_layer, self.model.end_layer, copy)
         return load_stacked_weights(self, weights, self.stacked_params, skip)
-
-    def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """Only this pipeline stage's checkpoint tensors (other stages' are never copied)."""
-        m = self.model
-        for name, tensor in weights:
-            if name.startswith("model.layers."):
-                if not m.start_layer <= int(name.split(".")[2]) < m.end_layer:
-                    continue
-            elif name.startswith("model.embed_tokens."):
-                if self.lm_head is not None and self.tie_word_embeddings and not self.tied:
-                    yield "lm_head.weight", tensor
-                if m.embed_tokens is None:
-                    continue
-            elif (name.startswith("model.norm.") and m.norm is None) or \
-                    (name.startswith("lm_head.") and self.lm_head is None):
-                continue
-            yield name, tensor

@@ -5,14 +5,16 @@ With `residual_in_fp32` the residual stream stays in fp32 whatever the model dty
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 
-from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
+from tidal.layers.embedding import VocabParallelEmbedding
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.norm import RMSNorm
-from tidal.models.utils import load_stacked_weights
+from tidal.models.utils import load_stacked_weights, make_layers, make_lm_head, stage_weights
 
 
 class MambaBlock(nn.Module):
@@ -25,30 +27,42 @@ class MambaBlock(nn.Module):
 
 
 class MambaModel(nn.Module):
+    """Pipeline stages as in LlamaModel, but Mamba blocks have one stream (the residual, added to in
+    place of a separate hidden state): a stage hands the next one that stream alone, in its dtype."""
+
     def __init__(self, config, dtype, quant=None) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.hidden_size, self.dtype = config.hidden_size, dtype
         self.residual_dtype = torch.float32 if getattr(config, "residual_in_fp32", True) else dtype
-        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(MambaBlock(config, dtype, quant) for _ in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype)
+        self.embeddings = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+                           if is_first_pp_stage() else None)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: MambaBlock(config, dtype, quant))
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon, dtype) if is_last_pp_stage() else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embeddings(input_ids)
-        for layer in self.layers:
+        if self.embeddings is not None:
+            hidden = self.embeddings(input_ids)
+        else:
+            (hidden,) = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.residual_dtype, num_tensors=1)
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden = hidden.to(self.residual_dtype) + layer.mixer(layer.norm(hidden.to(self.dtype)))
+        if self.norm_f is None:  # not the last stage: hand over to the next one
+            pp_send_hidden(hidden)
+            return hidden
         return self.norm_f(hidden.to(self.dtype))
 
 
 class MambaForCausalLM(nn.Module):
+    supports_pp = True  # builds only its stage's layers (MambaModel)
+
     def __init__(self, config, dtype=torch.float32, quant=None) -> None:
         super().__init__()
         self.config = config
         self.backbone = MambaModel(config, dtype, quant)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.backbone.embeddings)
+        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
+                                               self.backbone.embeddings, self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.backbone(input_ids, positions)
@@ -57,5 +71,9 @@ class MambaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        skip = ("lm_head.weight",) if self.tied else ()
+        if get_pp_size() > 1:
+            copy = "backbone.embeddings.weight" if self.tie_word_embeddings and not self.tied else None
+            b = self.backbone
+            weights = stage_weights(self, weights, "backbone.layers.", b.start_layer, b.end_layer, copy)
         return load_stacked_weights(self, weights, [], skip)

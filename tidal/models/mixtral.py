@@ -1,6 +1,7 @@
 """Mixtral: Llama-style attention (GQA, RoPE) with a top-k routed mixture of SiLU-gated experts in
 place of the MLP. Module names match Hugging Face checkpoints (`block_sparse_moe.gate`,
-`block_sparse_moe.experts.<e>.w1|w2|w3`); the top-k routing weights are renormalised, as Mixtral does."""
+`block_sparse_moe.experts.<e>.w1|w2|w3`); the top-k routing weights are renormalised, as Mixtral does.
+The layer stack (embedding, pipeline stages, final norm) is LlamaModel's, with Mixtral's decoder layer."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -8,11 +9,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tidal.distributed import get_pp_size
 from tidal.layers.moe import SparseMoeBlock, split_expert_weights
 from tidal.layers.norm import RMSNorm
-from tidal.models.llama import LlamaAttention
-from tidal.models.utils import load_stacked_weights
+from tidal.models.llama import LlamaAttention, LlamaModel
+from tidal.models.utils import load_stacked_weights, make_lm_head, stage_weights
 
 
 class MixtralDecoderLayer(nn.Module):
@@ -36,33 +37,17 @@ class MixtralDecoderLayer(nn.Module):
         return self.block_sparse_moe(hidden), residual
 
 
-class MixtralModel(nn.Module):
-    def __init__(self, config, dtype, quant=None) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(MixtralDecoderLayer(config, dtype, quant)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
 class MixtralForCausalLM(nn.Module):
+    supports_pp = True  # LlamaModel with Mixtral's layers: builds only its stage's layers
     stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"))
 
     def __init__(self, config, dtype=torch.float32, quant=None) -> None:
         super().__init__()
         self.config = config
-        self.model = MixtralModel(config, dtype, quant)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
+        self.model = LlamaModel(config, dtype, quant, layer_cls=MixtralDecoderLayer)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
+                                               self.model.embed_tokens, self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -72,5 +57,8 @@ class MixtralForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq", "experts.w13_weight", "experts.w2_weight")
-        skip += ("lm_head.weight",) if self.tie_word_embeddings else ()
+        skip += ("lm_head.weight",) if self.tied else ()
+        if get_pp_size() > 1:  # before the experts are split out: other stages' experts have no place here
+            copy = "model.embed_tokens.weight" if self.tie_word_embeddings and not self.tied else None
+            weights = stage_weights(self, weights, "model.layers.", self.model.start_layer, self.model.end_layer, copy)
         return load_stacked_weights(self, split_expert_weights(self, weights), self.stacked_params, skip)

@@ -1,11 +1,14 @@
-"""Weight-loading helpers shared by the model files."""
+"""Helpers shared by the model files: weight loading, and the pieces of a pipeline stage (its layer
+range, the LM head of the last stage, the checkpoint tensors a stage loads)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from tidal.distributed import get_pp_indices, get_pp_rank, get_pp_size, is_last_pp_stage
+from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.layers.linear import default_weight_loader
 
 
@@ -36,3 +39,59 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
     return loaded
 
+
+# -- pipeline stages ------------------------------------------------------------------------------------
+def make_layers(num_layers: int, build: Callable[[int], nn.Module]) -> tuple[int, int, nn.ModuleList]:
+    """(start, end, layers): this pipeline stage's layers [start, end) built by build(i); the others are
+    empty placeholders, so parameter names (and layer indices) still match the checkpoint."""
+    start, end = get_pp_indices(num_layers, get_pp_rank(), get_pp_size())
+    return start, end, nn.ModuleList(build(i) if start <= i < end else nn.Identity() for i in range(num_layers))
+
+
+def make_lm_head(vocab_size: int, hidden_size: int, dtype, embedding: VocabParallelEmbedding | None,
+                 tie: bool) -> tuple[ParallelLMHead | None, bool]:
+    """(LM head, whether it shares the embedding's weight): the head exists on the last pipeline stage
+    only (None elsewhere). Tied to the embedding when both live on this stage; a tied head whose
+    embedding is on the first stage keeps its own copy, loaded from the embedding's checkpoint tensor
+    (`stage_weights`)."""
+    if not is_last_pp_stage():
+        return None, False
+    head = ParallelLMHead(vocab_size, hidden_size, dtype)
+    if tie and embedding is not None:
+        head.tie_to(embedding)
+        return head, True
+    return head, False
+
+
+def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], layers_prefix: str,
+                  start: int, end: int, lm_head_copy_of: str | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Only this pipeline stage's checkpoint tensors: layers `<layers_prefix><i>.` outside [start, end)
+    and tensors of modules another stage holds (None here: embedding, final norm, LM head) are skipped,
+    never copied. lm_head_copy_of: the embedding's checkpoint name when the LM head is tied to it but
+    they live on different stages: the LM head loads that tensor as its own copy."""
+    for name, tensor in weights:
+        if name.startswith(layers_prefix):
+            if start <= int(name[len(layers_prefix):].split(".", 1)[0]) < end:
+                yield name, tensor
+            continue
+        if name == lm_head_copy_of and not _held_by_another_stage(model, "lm_head.weight"):
+            yield "lm_head.weight", tensor
+        if not _held_by_another_stage(model, name):
+            yield name, tensor
+
+
+def _held_by_another_stage(model: nn.Module, name: str) -> bool:
+    """Whether the tensor belongs to a module that is None on this stage. A name that matches nothing
+    is not: the loader reports it."""
+    module: object = model
+    for part in name.split(".")[:-1]:
+        module = getattr(module, part, _MISSING)
+        if module is None:
+            return True
+        if module is _MISSING:
+            return False
+    return False
+
+
+_MISSING = object()

@@ -65,6 +65,7 @@ class ModelMeta:
 def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     """Config, tokenizer and dtype without building the model: the driver of a parallel engine holds
     no weights. Refuses, before any worker starts, what the workers would refuse."""
+    from tidal.layers.linear import split_heads
     from tidal.loader import gguf_loader
     from tidal.loader.loader import (
         DEFAULT_MODEL_NAME,
@@ -87,10 +88,8 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
         raise ValueError(f"{model_cls.__name__} does not support pipeline parallelism yet "
                          f"(pipeline_parallel_size={pp}); use tensor_parallel_size")
     heads = getattr(config, "num_attention_heads", None)
-    if heads and heads % tp:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {heads} attention heads; "
-                         f"possible sizes: {divisors}")
+    if heads:  # the heads must split by KV-head group (unevenly if need be): refuses sizes that cannot
+        split_heads(heads, getattr(config, "num_key_value_heads", None) or heads, tp)
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     return ModelMeta(config, load_tokenizer(path), path, name, resolve_dtype(dtype, config))
 

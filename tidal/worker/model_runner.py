@@ -64,7 +64,7 @@ class ModelRunner:
         for m in self.mamba_layers:
             m.allocate_state(num_slots)
 
-    def _restore_states(self, reqs: list[ScheduledRequest]) -> None:
+    def restore_states(self, reqs: list[ScheduledRequest]) -> None:
         """Prefix-cache hits on Mamba models: copy each hit's state checkpoint into its slot."""
         pairs = [(r.state_slot, r.state_restore_from) for r in reqs if r.state_restore_from is not None]
         if pairs:
@@ -84,7 +84,7 @@ class ModelRunner:
         # decodes, then chunks continuing a context, then fresh chunks (stable: FCFS within each)
         reqs = sorted(so.scheduled, key=lambda r: (len(r.token_ids) > 1, r.start_pos == 0))
         meta, input_ids, positions = self._prepare(reqs)
-        self._restore_states(reqs)
+        self.restore_states(reqs)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
 

@@ -63,9 +63,9 @@ class Worker:
         model = loaded.model
         dtype = next(model.parameters()).dtype
         self.runner = ModelRunner(model, dtype, self.config.block_size, self.config.seed, self.eos_token_id)
-        inner = getattr(model, "model", model)
-        layers = (getattr(inner, "start_layer", 0),  # models without stages hold every layer
-                  getattr(inner, "end_layer", getattr(loaded.config, "num_hidden_layers", 0)))
+        stack = next((m for m in model.modules() if hasattr(m, "start_layer")), None)  # LlamaModel, MambaModel...
+        layers = ((stack.start_layer, stack.end_layer) if stack is not None  # models without stages hold every layer
+                  else (0, getattr(loaded.config, "num_hidden_layers", 0)))
         info = WorkerInfo(self.rank, self.tp_rank, self.pp_rank, layers, loaded.weight_bytes,
                           time.perf_counter() - t0, os.getpid())
         logger.info("rank %d (tp %d/%d, pp %d/%d): layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
@@ -107,11 +107,16 @@ class Worker:
     def _execute_pipelined(self, so: SchedulerOutput) -> RunnerOutput:
         from tidal.distributed import wait_pp_sends
         out = RunnerOutput()
+        # Mamba state checkpoints are restored for the whole step before any micro-batch runs: a forward
+        # may overwrite a checkpoint that a later micro-batch restores from (the scheduler reuses an
+        # evicted checkpoint's index in the step that restores from it, relying on restores coming first).
+        self.runner.restore_states(so.scheduled)
         try:
             for part in split_batch(so, self.num_microbatches):
-                if not self.is_last_stage:  # earlier stages only run their layers: nothing to sample
-                    part.scheduled = [dataclasses.replace(r, sample=False, want_prompt_logprobs=False)
-                                      for r in part.scheduled]
+                last = self.is_last_stage  # earlier stages only run their layers: nothing to sample
+                part.scheduled = [dataclasses.replace(r, state_restore_from=None, sample=r.sample and last,
+                                                      want_prompt_logprobs=r.want_prompt_logprobs and last)
+                                  for r in part.scheduled]
                 res = self.runner.execute(part)
                 out.sampled.update(res.sampled)
                 out.logprobs.update(res.logprobs)
