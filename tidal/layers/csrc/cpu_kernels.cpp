@@ -265,16 +265,147 @@ static void accumulate512(const float* scores, const void* v_cache, const int64_
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, av[g][c]);
 }
 
-// One (request, KV head) item on the vector path: scores, softmax, weighted sum of V.
+#if defined(__AVX512BF16__)
+// bf16 cache: the dot products run on VDPBF16PS (pairs of bf16 products accumulated in fp32, twice
+// the work of an fp32 FMA per instruction). Scores: q . k with q, k in bf16 (exact products), then
+// scaled. K rows of dims 2p and 2p+1 (16 tokens each) are interleaved into (dim 2p, dim 2p+1) pairs per
+// token with one permute.
+template <int G, int C>
+static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache, const uint16_t* v_cache,
+                        const int64_t* table, int64_t L, int64_t h, int64_t Hk, int64_t bs, float* scores) {
+  constexpr int64_t D = C * 16;
+  // output lane 2i <- element i (row 2p, token i); lane 2i + 1 <- element 16 + i (row 2p + 1, token i)
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i perm = _mm512_load_si512(kInterleave);
+  __m512i qpair[G][D / 2];
+  for (int g = 0; g < G; ++g)
+    for (int64_t p = 0; p < D / 2; ++p) {
+      uint32_t pair; std::memcpy(&pair, qb + g * D + 2 * p, 4);
+      qpair[g][p] = _mm512_set1_epi32(static_cast<int>(pair));
+    }
+  const __m512 sv = _mm512_set1_ps(scale);
+  float tmp[16];
+  const int64_t chunk_bytes = D * bs * 2;
+  for (int64_t start = 0; start < L; start += 16) {
+    const int64_t blk = table[start / bs], off = start % bs;
+    const uint16_t* base = k_cache + (blk * Hk + h) * D * bs + off;
+    if (off == 0) {
+      constexpr int64_t ahead = 4;  // as in scores512
+      if (start + ahead * bs < L)
+        prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[start / bs + ahead] * Hk + h) * D * bs),
+                                    chunk_bytes);
+      prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (blk * Hk + h) * D * bs), chunk_bytes);
+    }
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; ++p) {
+      __m512i rows;  // rows 2p and 2p + 1, 16 tokens each
+      if (bs == 16) {
+        rows = _mm512_loadu_si512(base + 2 * p * 16);
+      } else {
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * bs));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * bs));
+        rows = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+      }
+      const __m512i kp = _mm512_permutexvar_epi16(perm, rows);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)kp, (__m512bh)qpair[g][p]);
+    }
+    const int64_t n = std::min<int64_t>(16, L - start);
+    for (int g = 0; g < G; ++g) {
+      const __m512 s = _mm512_mul_ps(acc[g], sv);
+      if (n == 16) {
+        _mm512_storeu_ps(scores + g * L + start, s);
+      } else {
+        _mm512_storeu_ps(tmp, s);
+        std::copy(tmp, tmp + n, scores + g * L + start);
+      }
+    }
+  }
+}
+
+// Weighted sum of V rows with the probabilities rounded to bf16 (as torch's CPU flash attention does
+// before its P.V product): rows t and t + 1 are interleaved into (token t, token t + 1) pairs per dim,
+// so one VDPBF16PS adds two tokens. unpacklo/hi interleave within 128-bit lanes: accumulator lane j
+// of chunk 2c (2c + 1) holds dim 32c + 8 (j / 4) + j % 4 (+ 4).
+template <int G, int C>
+static void accumulate_bf16(const float* scores, const uint16_t* v_cache, const int64_t* table, int64_t L,
+                            int64_t h, int64_t Hk, int64_t bs, uint32_t* ppairs, float* out) {
+  constexpr int64_t D = C * 16;
+  // probabilities to bf16 in token order: read as 32-bit words, element i is the pair (2i, 2i + 1)
+  const int64_t half = (L + 1) / 2;
+  for (int g = 0; g < G; ++g) {
+    const float* sg = scores + g * L;
+    uint16_t* pb = reinterpret_cast<uint16_t*>(ppairs + g * half);
+    int64_t t = 0;
+    for (; t + 32 <= L; t += 32)
+      _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + t + 16), _mm512_loadu_ps(sg + t)));
+    for (; t < L; ++t) pb[t] = float_to_bf16(sg[t]);
+    if (L % 2) pb[L] = 0;
+  }
+  __m512 av[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
+  const int64_t chunk_bytes = D * bs * 2;
+  for (int64_t start = 0; start < L; start += bs) {  // bs is even: a pair never straddles two blocks
+    const int64_t n = std::min(bs, L - start);
+    const uint16_t* block = v_cache + (table[start / bs] * Hk + h) * bs * D;
+    if (start + bs < L)
+      prefetch_bytes(reinterpret_cast<const char*>(v_cache + (table[start / bs + 1] * Hk + h) * bs * D), chunk_bytes);
+    for (int64_t off = 0; off < n; off += 2) {
+      const uint16_t* r0p = block + off * D;
+      const bool pair = off + 1 < n;  // the last token alone: its partner row may hold anything
+      __m512i pp[G];
+      for (int g = 0; g < G; ++g) pp[g] = _mm512_set1_epi32(static_cast<int>(ppairs[g * half + (start + off) / 2]));
+      for (int c2 = 0; c2 < C / 2; ++c2) {
+        const __m512i r0 = _mm512_loadu_si512(r0p + c2 * 32);
+        const __m512i r1 = pair ? _mm512_loadu_si512(r0p + D + c2 * 32) : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+        for (int g = 0; g < G; ++g) {
+          av[g][2 * c2] = _mm512_dpbf16_ps(av[g][2 * c2], (__m512bh)lo, (__m512bh)pp[g]);
+          av[g][2 * c2 + 1] = _mm512_dpbf16_ps(av[g][2 * c2 + 1], (__m512bh)hi, (__m512bh)pp[g]);
+        }
+      }
+    }
+  }
+  float tmp[2][16];
+  for (int g = 0; g < G; ++g)
+    for (int c2 = 0; c2 < C / 2; ++c2) {
+      _mm512_storeu_ps(tmp[0], av[g][2 * c2]);
+      _mm512_storeu_ps(tmp[1], av[g][2 * c2 + 1]);
+      for (int j = 0; j < 16; ++j) {
+        const int64_t d = c2 * 32 + 8 * (j / 4) + j % 4;
+        out[g * D + d] = tmp[0][j];
+        out[g * D + d + 4] = tmp[1][j];
+      }
+    }
+}
+#endif
+
+// One (request, KV head) item on the vector path: scores, softmax, weighted sum of V. qf holds the
+// G query rows unscaled, in fp32; work (G * L floats, then G * L / 2 pairs) is scratch space.
 template <int DT, int G, int C>
-static void attend512(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
-                      int64_t h, int64_t Hk, int64_t bs, float* scores, float* acc) {
+static void attend512(float* qf, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
+                      int64_t L, int64_t h, int64_t Hk, int64_t bs, float* scores, float* acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (DT == kBF16 && C % 2 == 0) {
+    uint16_t qb[G * C * 16];
+    for (int64_t i = 0; i < G * C * 16; ++i) qb[i] = float_to_bf16(qf[i]);  // exact: qf came from bf16
+    const auto kc = static_cast<const uint16_t*>(k_cache);
+    const auto vc = static_cast<const uint16_t*>(v_cache);
+    scores_bf16<G, C>(qb, scale, kc, vc, table, L, h, Hk, bs, scores);
+    for (int g = 0; g < G; ++g) softmax512(scores + g * L, L);
+    accumulate_bf16<G, C>(scores, vc, table, L, h, Hk, bs, reinterpret_cast<uint32_t*>(scores + G * L), acc);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < G * C * 16; ++i) qf[i] *= scale;
   scores512<DT, G, C>(qf, k_cache, v_cache, table, L, h, Hk, bs, scores);
   for (int g = 0; g < G; ++g) softmax512(scores + g * L, L);
   accumulate512<DT, G, C>(scores, v_cache, table, L, h, Hk, bs, acc);
 }
 
-using AttendFn = void (*)(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
+using AttendFn = void (*)(float*, float, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
                           int64_t, float*, float*);
 
 template <int DT, int G>
@@ -323,15 +454,16 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
       const int64_t b = item / Hk, h = item % Hk;
       const int64_t L = seq_lens[b];
       const int64_t* table = block_tables + b * max_blocks;
-      scores.resize(G * L);
+      scores.resize(G * L + G * ((L + 1) / 2));  // scores, then room for bf16 probability pairs
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d) * scale;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d);
 #if defined(__AVX512F__)
       if (vec) {
-        vec(qf.data(), k_cache, v_cache, table, L, h, Hk, bs, scores.data(), acc.data());
+        vec(qf.data(), scale, k_cache, v_cache, table, L, h, Hk, bs, scores.data(), acc.data());
       } else
 #endif
       {
+        for (auto& x : qf) x *= scale;
         scores_generic<DT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
         for (int64_t g = 0; g < G; ++g) softmax_generic(scores.data() + g * L, L);
         accumulate_generic<DT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
