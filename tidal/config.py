@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from tidal.device import resolve_device
+
 
 @dataclass
 class EngineConfig:
@@ -10,6 +12,8 @@ class EngineConfig:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
+    # "auto": CUDA when torch sees a GPU, else CPU; resolved to "cpu" or "cuda" at construction
+    device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -25,9 +29,11 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     disable_log_stats: bool = True
-    # accepted for compatibility with vLLM scripts; they have no effect on CPU
-    trust_remote_code: bool = False
+    # on CUDA: the share of the GPU's memory the engine may fill (weights, activations, KV cache);
+    # sizes the KV cache unless kv_cache_memory_bytes is given. No effect on CPU.
     gpu_memory_utilization: float = 0.9
+    # accepted for compatibility with vLLM scripts; they have no effect
+    trust_remote_code: bool = False
     swap_space: float = 0
     tokenizer_mode: str = "auto"
     extra: dict = field(default_factory=dict)
@@ -46,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        self.device = resolve_device(self.device)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
                              f"got {self.distributed_executor_backend!r}")

@@ -170,17 +170,19 @@ def hf_model_path(model: str | None) -> tuple[str, dict]:
     return os.path.dirname(path), {"gguf_file": os.path.basename(path)}
 
 
-def run_hf(model: str | None, dtype, requests: list[dict], warmup: list[dict], batch_size: int = 32) -> dict:
+def run_hf(model: str | None, dtype, requests: list[dict], warmup: list[dict], batch_size: int = 32,
+           device: str = "cpu") -> dict:
     """transformers' generate over static batches of batch_size requests in the given order, prompts
-    left-padded, each batch run to its longest max_tokens. Only useful tokens count: a request's
-    own max_tokens, not the padding nor the tokens past its end that its batch still computes."""
+    left-padded, each batch run to its longest max_tokens, on the same device as Tidal's run. Only
+    useful tokens count: a request's own max_tokens, not the padding nor the tokens past its end
+    that its batch still computes."""
     import torch
     import transformers
     if batch_size < 1:
         raise ValueError(f"hf_batch_size must be >= 1, got {batch_size}")
     path, extra = hf_model_path(model)
     t0 = time.perf_counter()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
     load_s = time.perf_counter() - t0
     gen_cfg = hf.generation_config
     pad_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else 0
@@ -196,8 +198,8 @@ def run_hf(model: str | None, dtype, requests: list[dict], warmup: list[dict], b
             ids[i, width - lens[i]:] = torch.tensor(r["prompt_token_ids"])
             mask[i, width - lens[i]:] = 1
         # min_new_tokens = max_new_tokens: EOS is suppressed, every row generates exactly `new` tokens.
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, pad_token_id=pad_id)
+        out = hf.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                          min_new_tokens=new, do_sample=False, pad_token_id=pad_id)
         if out.shape[1] != width + new:
             raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, expected {new}")
 
@@ -218,21 +220,26 @@ def run_hf(model: str | None, dtype, requests: list[dict], warmup: list[dict], b
 
 # -- command -------------------------------------------------------------------------------------
 
-def _machine() -> dict:
-    """Threads and load: a contended CPU (another process on a core) slows a run several-fold."""
+def _machine(device: str = "cpu") -> dict:
+    """Device, threads and load: a contended CPU (another process on a core) slows a run several-fold."""
     import torch
-    return {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    machine = {"device": device, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+               "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if device == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name()
+        machine["torch_cuda"] = torch.version.cuda
+    return machine
 
 
 def _print_report(tidal: dict, hf: dict | None, dtype: str, machine: dict, out=sys.stdout) -> None:
     p = lambda *a: print(*a, file=out)
     load = machine["load_average_1min"]
-    if load is not None and load > machine["cpu_count"] + 0.5:
+    if load is not None and load > machine["cpu_count"] + 0.5 and machine.get("device", "cpu") == "cpu":
         p(f"WARNING: load average {load:.1f} on {machine['cpu_count']} CPUs: other processes share the cores, "
           "figures are contended")
+    where = machine.get("gpu") or machine.get("device", "cpu")
     p(f"Requests: {tidal['num_requests']} ({tidal['num_prompt_tokens']} prompt + "
-      f"{tidal['num_output_tokens']} output tokens), {dtype}, elapsed {tidal['elapsed_s']:.2f} s")
+      f"{tidal['num_output_tokens']} output tokens), {dtype} on {where}, elapsed {tidal['elapsed_s']:.2f} s")
     p(f"Throughput: {tidal['requests_per_s']:.2f} requests/s, {tidal['total_tokens_per_s']:.1f} total tokens/s, "
       f"{tidal['output_tokens_per_s']:.1f} output tokens/s")
     p(f"KV cache utilization: {100 * tidal['kv_utilization']:.1f}% (allocated slots holding tokens, mean over "
@@ -257,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
     llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
     engine = llm.llm_engine
     requests, warmup = build_requests(args, engine.vocab_size)
-    machine = _machine()  # load before the run: the benchmark's own load would read as contention
+    machine = _machine(config.device)  # load before the run: the benchmark's own load would read as contention
     tidal = run_tidal(llm, requests, warmup, args.runs, not args.disable_detokenize,
                       progress=sys.stderr.isatty())
     dtype = str(engine.dtype).removeprefix("torch.")
@@ -266,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
         torch_dtype = engine.dtype
         del llm, engine  # free the KV cache before transformers loads its own copy of the model
         gc.collect()
-        hf = run_hf(config.model, torch_dtype, requests, warmup, args.hf_batch_size)
+        hf = run_hf(config.model, torch_dtype, requests, warmup, args.hf_batch_size, config.device)
     _print_report(tidal, hf, dtype, machine)
     if args.output_json:
         result = {"dtype": dtype, "model": config.model, "machine": machine, "tidal": tidal}

@@ -28,6 +28,7 @@ def set_parallel_state(tp_rank: int = 0, tp_size: int = 1, tp_group=None, pp_ran
 def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, timeout_s: float = 60.0,
                      backend: str = "gloo") -> None:
     """Join the process group (every rank calls this) and set this process's parallel state.
+    `backend`: "gloo" on CPU, "nccl" on CUDA (each rank on its own GPU, set before this call).
 
     `timeout_s` bounds every collective: a peer that died or hangs turns into an error here instead of
     a rank blocked forever."""
@@ -125,9 +126,10 @@ def pp_send_hidden(*tensors: torch.Tensor) -> None:
 
 
 def pp_recv_hidden(num_tokens: int, hidden_size: int, dtype: torch.dtype,
-                   num_tensors: int = 2) -> tuple[torch.Tensor, ...]:
-    """The previous stage's `pp_send_hidden(*tensors)`: num_tensors tensors [num_tokens, hidden_size]."""
-    buf = torch.empty(num_tensors, num_tokens, hidden_size, dtype=dtype)
+                   num_tensors: int = 2, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """The previous stage's `pp_send_hidden(*tensors)`: num_tensors tensors [num_tokens, hidden_size],
+    received into a buffer on `device`."""
+    buf = torch.empty(num_tensors, num_tokens, hidden_size, dtype=dtype, device=device)
     torch.distributed.recv(buf, src=_PP_PREV)
     return tuple(buf.unbind(0))
 

@@ -23,7 +23,7 @@ from tidal.outputs import RequestOutput
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
-from tidal.worker.memory import cache_budget_bytes, plan_kv_cache, plan_state_slots
+from tidal.worker.memory import plan_kv_cache, plan_state_slots
 from tidal.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         workers = uses_workers(config)  # tensor/pipeline parallel: the weights live in worker processes
-        loaded = load_model_meta(config) if workers else load_model(config.model, config.dtype)
+        loaded = load_model_meta(config) if workers else load_model(config.model, config.dtype, device=config.device)
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -52,7 +52,11 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
             self.executor = UniProcExecutor(self.runner)
-        state_pool, checkpoints, kv_budget = self._plan_state(config.kv_cache_memory_bytes)
+        budget = config.kv_cache_memory_bytes
+        if budget is None:  # measured now that the weights are loaded (on CUDA, after a profiling forward)
+            budget = self.runner.cache_budget_bytes(config.gpu_memory_utilization, self.max_num_batched_tokens,
+                                                    config.max_num_seqs, self.max_model_len)
+        state_pool, checkpoints, kv_budget = self._plan_state(budget)
         plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len, kv_budget)
         if state_pool is not None and not plan.bytes_per_token:  # no attention: blocks are bookkeeping only,
             plan.num_blocks = max(plan.num_blocks,  # so they must never be what runs out
@@ -67,21 +71,20 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._next_id = 0
-        logger.info("Engine ready in %.1f s: %s, %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
+        logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
                     "tokens = %d tokens (%.1f requests of max_model_len)", time.perf_counter() - t0,
-                    self.model_name, str(self.dtype).removeprefix("torch."), self.max_model_len,
+                    self.model_name, str(self.dtype).removeprefix("torch."), config.device, self.max_model_len,
                     plan.num_bytes / 2**20, plan.num_blocks, config.block_size, plan.num_tokens,
                     plan.num_tokens / self.max_model_len)
 
     # -- setup helpers ---------------------------------------------------------------------------
-    def _plan_state(self, budget: int | None):
+    def _plan_state(self, budget: int):
         """Models with Mamba layers: state slots (one per running request) come out of the same
         budget as the KV cache; with prefix caching, as many again hold state checkpoints (see
         tidal/core/state_checkpoints.py). Returns (pool, checkpoints, budget left for the KV cache)."""
         state_bytes = getattr(self.runner, "state_bytes_per_request", lambda: 0)()
         if not state_bytes:
             return None, None, budget
-        budget = cache_budget_bytes(budget)
         per_slot = state_bytes * (2 if self.config.enable_prefix_caching else 1)
         num_slots = plan_state_slots(per_slot, self.config.max_num_seqs, budget,
                                      self.runner.kv_bytes_per_token() > 0)

@@ -17,13 +17,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype (auto: the checkpoint's; bfloat16 for GGUF and fp16)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model runs (auto: cuda when torch sees a GPU, else cpu)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA: share of the GPU's memory for weights, activations and the KV cache, "
+                        "which gets what is left (default 0.9)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="maximum requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (default: max(2048, max-num-seqs))")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache size in bytes (default: min(4 GiB, half the free memory))")
+                   help="KV cache size in bytes (default on CPU: min(4 GiB, half the free memory); "
+                        "on CUDA: from --gpu-memory-utilization)")
     _bool_flag(g, "enable-prefix-caching", True, "reuse the KV of repeated prompt prefixes")
     _bool_flag(g, "enable-chunked-prefill", True, "split long prompts across steps")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
@@ -42,6 +48,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
     model = model or getattr(args, "model_flag", None)
     return EngineConfig(
         model=model, tokenizer=args.tokenizer, served_model_name=args.served_model_name, dtype=args.dtype,
+        device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,

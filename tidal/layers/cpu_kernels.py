@@ -1,7 +1,9 @@
 """Native CPU kernels, built by tidal/native.py, with thin wrappers that return None (or False) when
 the kernel cannot run so callers fall back to torch ops:
     csrc/cpu_kernels.cpp   paged decode attention, fused residual + RMSNorm, rotary, KV-cache writes
-    csrc/skinny_gemm.cpp   bf16 matrix products of one or two rows (single-stream decode)"""
+    csrc/skinny_gemm.cpp   bf16 matrix products of one or two rows (single-stream decode)
+Tensors on another device (CUDA) always take the torch ops: the device is checked before the library
+is asked for, so a model on a GPU never builds it."""
 from __future__ import annotations
 
 import ctypes
@@ -41,12 +43,17 @@ def native_lib() -> ctypes.CDLL | None:
     return _LIB.get()
 
 
+def _lib_for(t: torch.Tensor) -> ctypes.CDLL | None:
+    """The library for a kernel over t: None (not even built) unless t is on the CPU."""
+    return native_lib() if t.device.type == "cpu" else None
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """q [B, Hq, D] over each request's cached K/V (layouts of layer.split_kv_cache).
     Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
-    lib = native_lib()
-    if lib is None or q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
+    lib = _lib_for(q)
+    if lib is None or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
         return None
     q = q.contiguous()
     block_tables = block_tables.contiguous()
@@ -64,8 +71,8 @@ def rope_neox(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor,
               positions: torch.Tensor) -> torch.Tensor | None:
     """Rotated copy [T, H, D] of x [T, H, D] (rows may be strided, heads contiguous inside a row), with
     fp32 tables [max_position, D]; None when the native kernel does not apply."""
-    lib = native_lib()
-    if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 3
+    lib = _lib_for(x)
+    if (lib is None or x.dtype not in _DTYPES or x.dim() != 3
             or x.stride(2) != 1 or x.stride(1) != x.shape[2] or positions.dtype != torch.int64):
         return None
     T, H, D = x.shape
@@ -80,8 +87,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> bool:
     """Store k/v [T, Hk, D] (rows may be strided) at their slots of k_cache [nb, Hk, D, bs] and
     v_cache [nb, Hk, bs, D]; False when the native kernel does not apply."""
-    lib = native_lib()
-    if (lib is None or k.device.type != "cpu" or k.dtype not in _DTYPES or k.dtype != v.dtype
+    lib = _lib_for(k)
+    if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype
             or k_cache.dtype != k.dtype or v_cache.dtype != k.dtype or slot_mapping.dtype != torch.int64):
         return False
     for t in (k, v):
@@ -96,8 +103,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(x[..., :d]) * x[..., d:] for a contiguous bf16 CPU tensor [T, 2d]; None where the
     native kernel does not apply."""
-    lib = native_lib()
-    if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+    lib = _lib_for(x)
+    if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
         return None
     T, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(T, d, dtype=x.dtype)
@@ -109,8 +116,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Fused (residual add +) RMSNorm over the last dim of a [T, H] CPU tensor. Returns out, or
     (out, new residual) when a residual is given; None when the native kernel does not apply."""
-    lib = native_lib()
-    if (lib is None or x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 2 or weight.dtype != x.dtype
+    lib = _lib_for(x)
+    if (lib is None or x.dtype not in _DTYPES or x.dim() != 2 or weight.dtype != x.dtype
             or (residual is not None and (residual.dtype != x.dtype or residual.shape != x.shape))):
         return None
     x = x.contiguous()

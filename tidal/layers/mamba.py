@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.device import to_device
 from tidal.distributed import get_tp_rank, get_tp_size
 from tidal.forward_context import get_forward_context
 from tidal.layers.linear import (
@@ -121,9 +122,11 @@ class MambaMixer(nn.Module):
         return conv[0] * conv[1] * elem + ssm[0] * ssm[1] * 4
 
     def allocate_state(self, num_slots: int) -> None:
+        """State tensors on the device of the layer's weights."""
         conv, ssm = self.state_shapes()
-        self.conv_state = torch.zeros(num_slots, *conv, dtype=self.dtype)
-        self.ssm_state = torch.zeros(num_slots, *ssm, dtype=torch.float32)
+        device = self.A_log.device
+        self.conv_state = torch.zeros(num_slots, *conv, dtype=self.dtype, device=device)
+        self.ssm_state = torch.zeros(num_slots, *ssm, dtype=torch.float32, device=device)
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -132,10 +135,11 @@ class MambaMixer(nn.Module):
         xs, gate = self.in_proj(hidden).chunk(2, dim=-1)  # [T, d_inner] each
         nd, T = meta.num_decodes, hidden.shape[0]
         slots, fresh = meta.state_slots, ~meta.has_initial_state
-        y = torch.empty(T, self.d_inner, dtype=torch.float32)
+        y = torch.empty(T, self.d_inner, dtype=torch.float32, device=hidden.device)
         checkpoints = meta.state_checkpoints or ()
         if nd:
-            y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd])
+            any_fresh = meta.fresh_decodes if meta.fresh_decodes is not None else bool(fresh[:nd].any())
+            y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd], any_fresh)
             for i, _, index in checkpoints:
                 if i < nd:  # the state after this decode token
                     self.conv_state[index] = self.conv_state[slots[i]]
@@ -162,9 +166,9 @@ class MambaMixer(nn.Module):
             self._A_cache, self._A_version = -torch.exp(self.A_log.float()), version
         return self._A_cache
 
-    def _decode(self, x: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-        """One token per request: x [B, d_inner] -> scan output before gating [B, d_inner] fp32."""
-        any_fresh = bool(fresh.any())  # a one-token prompt: start from zero state (rare in decodes)
+    def _decode(self, x: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, any_fresh: bool) -> torch.Tensor:
+        """One token per request: x [B, d_inner] -> scan output before gating [B, d_inner] fp32.
+        any_fresh: some request is a one-token prompt, starting from zero state (rare in decodes)."""
         conv_prev = self.conv_state[slots]  # [B, d, K-1]
         if any_fresh:
             conv_prev = conv_prev.masked_fill(fresh[:, None, None], 0)
@@ -189,15 +193,17 @@ class MambaMixer(nn.Module):
         checkpoints: (request r, t, state index): also save r's state after its first t tokens there
         (prefix caching, see tidal/core/state_checkpoints.py)."""
         R, L, K1, d = len(lens), max(lens), self.d_conv - 1, self.d_inner
+        # index tensors built on the host (repeat_interleave on a GPU would wait for it), then copied
         lens_t = torch.tensor(lens)
         req = torch.repeat_interleave(torch.arange(R), lens_t)                  # [Tp] request of each token
         off = torch.arange(x.shape[0]) - torch.repeat_interleave(lens_t.cumsum(0) - lens_t, lens_t)
+        lens_t, req, off = (to_device(t, x.device) for t in (lens_t, req, off))
 
         # Causal depthwise conv over [cached K-1 inputs | this chunk], right-padded to the longest chunk.
         xpad = x.new_zeros(R, d, K1 + L)
         xpad[:, :, :K1] = self.conv_state[slots].masked_fill(fresh[:, None, None], 0)
         xpad[req, :, K1 + off] = x
-        last = (lens_t[:, None] + torch.arange(K1)).unsqueeze(1).expand(R, d, K1)
+        last = (lens_t[:, None] + torch.arange(K1, device=x.device)).unsqueeze(1).expand(R, d, K1)
         self.conv_state[slots] = xpad.gather(2, last)  # the chunk's last K-1 inputs (incl. cached ones)
         for r, t, index in checkpoints:
             self.conv_state[index] = xpad[r, :, t:t + K1]  # the K-1 inputs before token t

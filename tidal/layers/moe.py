@@ -79,9 +79,10 @@ class FusedMoE(nn.Module):
         T, k = ids.shape
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+        # the grouping loop needs the counts on the host: on a GPU, one wait per MoE layer
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         flat_weights = weights.flatten()
-        out = torch.zeros(T, self.hidden_size, dtype=x.dtype)
+        out = torch.zeros(T, self.hidden_size, dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:

@@ -39,16 +39,18 @@ class RotaryEmbedding(nn.Module):
     through `get_rope`) index the tables once."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None,
-                 dtype=torch.float32) -> None:
+                 dtype=torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = _inv_freq(head_dim, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
-        cos, sin = freqs.cos(), freqs.sin()
+        # computed on the host whatever the device, so that every device rotates by the same angles
+        with torch.device("cpu"):
+            inv_freq = _inv_freq(head_dim, base, scaling)
+            t = torch.arange(max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
+            cos, sin = freqs.cos(), freqs.sin()
         # out = x * cos_full + swap_halves(x) * sin_signed, where swap_halves(x) = (x2, x1)
-        self.cos_full = torch.cat((cos, cos), -1)   # [max_position, head_dim]
-        self.sin_signed = torch.cat((-sin, sin), -1)
+        self.cos_full = torch.cat((cos, cos), -1).to(device)   # [max_position, head_dim]
+        self.sin_signed = torch.cat((-sin, sin), -1).to(device)
         self._memo: tuple | None = None
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -79,9 +81,11 @@ _ROPE_CACHE: dict = {}
 
 
 def get_rope(head_dim: int, max_position: int, base: float, scaling: dict | None = None) -> RotaryEmbedding:
-    """One RotaryEmbedding per distinct configuration, shared by all layers that use it."""
-    key = (head_dim, max_position, float(base), repr(sorted((scaling or {}).items())))
+    """One RotaryEmbedding per distinct configuration and device, shared by all layers that use it.
+    Its tables live on the default device (the loader builds models under `with torch.device(...)`)."""
+    device = torch.get_default_device()
+    key = (head_dim, max_position, float(base), repr(sorted((scaling or {}).items())), str(device))
     rope = _ROPE_CACHE.get(key)
     if rope is None:
-        rope = _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, base, scaling)
+        rope = _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, base, scaling, device=device)
     return rope

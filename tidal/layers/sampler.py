@@ -4,6 +4,9 @@ Order (as vLLM): raw log-probabilities are taken first (what `logprobs` reports)
 min_tokens masking, temperature, top-k, top-p, min-p, and the draw. A draw is argmax(p / q) with
 q ~ Exponential(1) (the Gumbel-max trick in disguise): rows of seeded requests fill q from their own
 torch.Generator, so a request's tokens never depend on what else shares the batch.
+
+On CUDA the logits stay on the GPU: per-row parameters are gathered on the host and copied once, the
+generators are CUDA generators, and the host reads back only the sampled tokens (and logprobs).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.device import to_device
 from tidal.sampling_params import SamplingParams
 
 
@@ -32,6 +36,7 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place. Token sets and counts are made on the host (from the token-id lists) and copied."""
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
@@ -42,11 +47,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool)
             seen[toks] = True
+            seen = to_device(seen, logits.device)
             x = logits[i]
-            x[seen] = torch.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
+            logits[i] = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
         if p.presence_penalty or p.frequency_penalty:
             out = toks[row.num_prompt_tokens:] if len(row.all_token_ids) > row.num_prompt_tokens else toks[:0]
-            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            counts = to_device(torch.bincount(out, minlength=vocab).to(logits.dtype), logits.device)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -55,7 +61,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    ranks = torch.arange(vocab).unsqueeze(0)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     remove = ranks >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
     # remove a token when the mass of the tokens strictly before it already reaches top_p
@@ -68,8 +74,14 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None
            ) -> SamplerOutput:
-    """logits [num_rows, vocab] (fp32) -> one token per row."""
+    """logits [num_rows, vocab] (fp32, on the model's device) -> one token per row. Generators must be
+    on the logits' device."""
     n = len(rows)
+    device = logits.device
+
+    def on_device(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=dtype), device)
+
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
     if any(r.params.has_penalties for r in rows):
@@ -77,21 +89,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
         apply_penalties(logits, rows)
     for i, row in enumerate(rows):
         if row.stop_ids_before_min and row.num_output_tokens < row.params.min_tokens:
-            logits[i, row.stop_ids_before_min] = float("-inf")
+            logits[i, on_device(row.stop_ids_before_min, torch.long)] = float("-inf")
 
-    greedy = torch.tensor([r.params.greedy for r in rows])
     tokens = logits.argmax(-1)
-    if not bool(greedy.all()):
-        rand_idx = (~greedy).nonzero().squeeze(1)
-        rand_rows = [rows[i] for i in rand_idx.tolist()]
-        x = logits[rand_idx] / torch.tensor([r.params.temperature for r in rand_rows]).unsqueeze(1)
-        top_k = torch.tensor([r.params.top_k for r in rand_rows])
-        top_p = torch.tensor([r.params.top_p for r in rand_rows])
-        if bool((top_k > 0).any() or (top_p < 1).any()):
-            x = _top_k_top_p(x, top_k, top_p)
+    rand_pos = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if rand_pos:
+        rand_idx = on_device(rand_pos, torch.long)
+        rand_rows = [rows[i] for i in rand_pos]
+        x = logits[rand_idx] / on_device([r.params.temperature for r in rand_rows]).unsqueeze(1)
+        if any(r.params.top_k > 0 or r.params.top_p < 1 for r in rand_rows):
+            top_k = on_device([r.params.top_k for r in rand_rows])
+            x = _top_k_top_p(x, top_k, on_device([r.params.top_p for r in rand_rows]))
         probs = x.softmax(-1)
-        min_p = torch.tensor([r.params.min_p for r in rand_rows])
-        if bool((min_p > 0).any()):
+        if any(r.params.min_p > 0 for r in rand_rows):
+            min_p = on_device([r.params.min_p for r in rand_rows])
             keep = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
             probs = probs * keep
         q = torch.empty_like(probs)

@@ -116,7 +116,9 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
-               quant_method=None) -> LoadedModel:
+               quant_method=None, device: str | torch.device = "cpu") -> LoadedModel:
+    """Build the model on `device` and copy the checkpoint's tensors into it as they are read (the
+    checkpoint, and a GGUF file's one-time conversion, are read on the host)."""
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         path = gguf_loader.cached_conversion(path)
@@ -125,7 +127,7 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
     torch_dtype = resolve_dtype(dtype, config)
-    with torch.device("cpu"):
+    with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant_method) if quant_method else \
             model_cls(config, dtype=torch_dtype)
     weights = iterate_safetensors(path, torch_dtype)
@@ -135,6 +137,6 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     tokenizer = load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
-    logger.info("Loaded %s (%s) in %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
-                weight_bytes / 1e6)
+    logger.info("Loaded %s (%s) in %s on %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
+                torch.device(device), weight_bytes / 1e6)
     return LoadedModel(net, config, tokenizer, path, name, weight_bytes)

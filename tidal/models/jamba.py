@@ -90,7 +90,8 @@ class JambaModel(nn.Module):
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
-            hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype)
+            hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype,
+                                              device=input_ids.device)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(hidden, residual)
         if self.final_layernorm is None:  # not the last stage: hand over to the next one

@@ -106,7 +106,8 @@ class LlamaModel(nn.Module):
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
-            hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype)
+            hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype,
+                                              device=input_ids.device)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual)
         if self.norm is None:  # not the last stage: hand over to the next one

@@ -44,7 +44,8 @@ class MambaModel(nn.Module):
         if self.embeddings is not None:
             hidden = self.embeddings(input_ids)
         else:
-            (hidden,) = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.residual_dtype, num_tensors=1)
+            (hidden,) = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.residual_dtype, num_tensors=1,
+                                       device=input_ids.device)
         for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden = hidden.to(self.residual_dtype) + layer.mixer(layer.norm(hidden.to(self.dtype)))
         if self.norm_f is None:  # not the last stage: hand over to the next one

@@ -2,9 +2,10 @@
 gets the sampled tokens back; it never needs to know how many processes sit behind it.
 
     UniProcExecutor     the ModelRunner in the engine's own process (tensor = pipeline = 1)
-    MultiprocExecutor   one process per rank, started here (spawn), joined by torch.distributed gloo
-                        over 127.0.0.1; each step's batch is pickled once and written to every
-                        worker's pipe, and the sampled tokens come back from the last stage's rank 0
+    MultiprocExecutor   one process per rank, started here (spawn), joined by torch.distributed (gloo
+                        on CPU, NCCL on CUDA with rank r on GPU r) over 127.0.0.1; each step's
+                        batch is pickled once and written to every worker's pipe, and the sampled
+                        tokens come back from the last stage's rank 0 as plain Python lists
     RayExecutor         the same workers as Ray actors (tidal/worker/ray_executor.py)
 
 Failure handling: the driver waits on the workers' pipes and their process sentinels together, so a
@@ -25,6 +26,7 @@ import weakref
 from dataclasses import dataclass
 
 from tidal.config import EngineConfig
+from tidal.worker.memory import cache_budget_bytes
 from tidal.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,11 @@ class Executor:
     def kv_bytes_per_token(self) -> int:
         raise NotImplementedError
 
+    def cache_budget_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,
+                           max_model_len: int) -> int:
+        """Bytes the KV cache and Mamba state may take on each rank (ModelRunner.cache_budget_bytes)."""
+        raise NotImplementedError
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
 
@@ -139,6 +146,9 @@ class UniProcExecutor(Executor):
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token()
 
+    def cache_budget_bytes(self, *args) -> int:
+        return self.runner.cache_budget_bytes(*args)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
@@ -164,14 +174,14 @@ def _threads_per_worker(world: int) -> int | None:
 
 # -- multiprocessing -----------------------------------------------------------------------------
 def _worker_main(conn, config: EngineConfig, rank: int, eos_token_id, timeout_s: float,
-                 num_threads: int | None) -> None:
+                 num_threads: int | None, local_rank: int | None = None) -> None:
     """A worker process: answer (method, args) messages from the driver until told to stop or the
     driver goes away. Every message gets exactly one reply: ("ok", result) or ("error", text)."""
     import traceback
 
     from tidal.worker.worker import Worker
     logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
-    worker = Worker(config, rank, eos_token_id, timeout_s, num_threads)
+    worker = Worker(config, rank, eos_token_id, timeout_s, num_threads, local_rank)
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
@@ -215,6 +225,13 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
         import torch.multiprocessing as mp
         self.world = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.device = config.device
+        if self.device == "cuda":
+            import torch
+            gpus = torch.cuda.device_count()
+            if self.world > gpus:
+                raise ValueError(f"device 'cuda' with tensor_parallel_size x pipeline_parallel_size = {self.world} "
+                                 f"needs {self.world} GPUs (one per rank), but torch sees {gpus}")
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.timeout_s = execute_timeout_s()
         self._failed: str | None = None
@@ -226,7 +243,7 @@ class MultiprocExecutor(Executor):
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, name=f"tidal-worker-{rank}", daemon=True,
-                            args=(child, config, rank, eos_token_id, self.timeout_s, threads))
+                            args=(child, config, rank, eos_token_id, self.timeout_s, threads, rank))
             p.start()
             child.close()  # the driver keeps only its end: a dead worker then reads as EOF
             self.procs.append(p)
@@ -307,6 +324,12 @@ class MultiprocExecutor(Executor):
     def kv_bytes_per_token(self) -> int:
         return max(self._call("kv_bytes_per_token", ()))  # every rank gets the same number of blocks
 
+    def cache_budget_bytes(self, *args) -> int:
+        if self.device != "cuda":  # the ranks share this machine's memory: measured here, as one budget
+            return cache_budget_bytes(None)
+        # each GPU is measured by its own rank (all profile at once); every rank gets the same blocks
+        return min(self._call("cache_budget_bytes", args, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s)))
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", (num_blocks,))
 
@@ -344,6 +367,6 @@ def _process_state(pid: int) -> str:
 
 def _log_shards(infos) -> None:
     for info in infos:
-        logger.info("worker rank %d (tp %d, pp %d, pid %d): layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
-                    info.rank, info.tp_rank, info.pp_rank, info.pid, *info.layers, info.weight_bytes / 1e6,
-                    info.load_seconds)
+        logger.info("worker rank %d (tp %d, pp %d, pid %d, %s): layers [%d, %d), %.1f MB of weights, loaded in "
+                    "%.1f s", info.rank, info.tp_rank, info.pp_rank, info.pid, info.device, *info.layers,
+                    info.weight_bytes / 1e6, info.load_seconds)

@@ -1,7 +1,14 @@
-"""Sizing the paged KV cache from a memory budget measured after the weights are loaded."""
+"""Sizing the paged KV cache from a memory budget measured after the weights are loaded.
+
+CPU: min(4 GiB, half the memory available). CUDA (as vLLM): gpu_memory_utilization x the GPU's
+memory, less what is in use once the weights are loaded (this process's tensors and CUDA context,
+and any other process on the GPU) and less the activation peak of a profiling forward as large as
+the largest step. `kv_cache_memory_bytes`, when given, overrides both.
+"""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -36,6 +43,36 @@ def cache_budget_bytes(budget_bytes: int | None) -> int:
     logger.info("KV cache budget %.2f GiB (%.2f GiB of memory available after loading weights)",
                 budget_bytes / 2**30, available / 2**30)
     return budget_bytes
+
+
+def cuda_cache_budget_bytes(device, gpu_memory_utilization: float, profile: Callable[[], None]) -> int:
+    """gpu_memory_utilization x the GPU's memory, less the memory in use now and the peak that
+    `profile` (one forward as large as the largest step) allocates on top of it."""
+    import torch
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    allocated = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    profile()
+    torch.cuda.synchronize(device)
+    activations = max(0, torch.cuda.max_memory_allocated(device) - allocated)
+    torch.cuda.empty_cache()
+    allowed = int(total * gpu_memory_utilization)
+    budget = allowed - in_use - activations
+    gib = 2**30
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {gpu_memory_utilization} allows {allowed / gib:.2f} GiB of the GPU's "
+            f"{total / gib:.2f} GiB, but {in_use / gib:.2f} GiB are in use after loading the weights and the largest "
+            f"step needs {activations / gib:.2f} GiB more: no room is left for the KV cache; raise "
+            "gpu_memory_utilization, lower max_num_batched_tokens or set kv_cache_memory_bytes")
+    logger.info("KV cache budget %.2f GiB on %s: gpu_memory_utilization %.2f x %.2f GiB = %.2f GiB, less %.2f GiB "
+                "in use after loading weights and %.2f GiB activation peak of the profiling forward",
+                budget / gib, device, gpu_memory_utilization, total / gib, allowed / gib, in_use / gib,
+                activations / gib)
+    return budget
 
 
 def plan_state_slots(state_bytes_per_request: int, max_num_seqs: int, budget_bytes: int,

@@ -4,6 +4,10 @@
 Batch layout: requests computing one token (decodes) first, then multi-token chunks; input_ids,
 positions and slot_mapping are flat [num_tokens] tensors. Logits are computed only at the rows
 that sample (and at prompt rows of requests that asked for prompt logprobs).
+
+The runner runs where the model's weights are (CPU or CUDA): the KV cache, the Mamba state and the
+samplers' generators live there too. Each step's tensors are built on the host and copied once
+(tidal/device.py); what goes back to the engine is plain Python (token ids, logprob lists).
 """
 from __future__ import annotations
 
@@ -13,12 +17,15 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
+from tidal.device import to_device
 from tidal.forward_context import set_forward_context
 from tidal.layers import cpu_kernels
 from tidal.layers.attention import Attention, AttentionMetadata
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
+from tidal.sampling_params import SamplingParams
+from tidal.worker.memory import cache_budget_bytes, cuda_cache_budget_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +48,9 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
-        self.generators: dict[str, torch.Generator] = {}
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.device = next(model.parameters()).device
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
+        self.default_generator = torch.Generator(self.device).manual_seed(seed)
         self.num_blocks = 0
 
     # -- KV cache --------------------------------------------------------------------------------
@@ -54,7 +62,51 @@ class ModelRunner:
         self.num_blocks = num_blocks
         for a in self.attn_layers:
             a.kv_cache = torch.zeros(kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
-                                     dtype=self.dtype)
+                                     dtype=self.dtype, device=self.device)
+
+    # -- memory budget of the KV cache and the Mamba state ---------------------------------------
+    def cache_budget_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,
+                           max_model_len: int, compute_logits: bool = True) -> int:
+        """Measured now that the weights are loaded. CPU: min(4 GiB, half the available memory).
+        CUDA: gpu_memory_utilization of the GPU less the memory in use and the activation peak of
+        one profiling forward as large as the largest step."""
+        if self.device.type != "cuda":
+            return cache_budget_bytes(None)
+        return cuda_cache_budget_bytes(self.device, gpu_memory_utilization, lambda: self.profile_run(
+            max_num_batched_tokens, max_num_seqs, max_model_len, compute_logits))
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int, compute_logits: bool = True) -> None:
+        """A forward over num_tokens prompt tokens (fresh sequences of at most max_model_len) with a
+        throwaway KV cache and state, then the logits and a top-k/top-p draw for num_seqs rows: the
+        memory the largest step needs beside the cache. Leaves no cache bound."""
+        bs = self.block_size
+        lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
+        blocks = [-(-n // bs) for n in lens]
+        first_block = [sum(blocks[:i]) for i in range(len(lens))]
+        self.allocate_kv_cache(max(1, sum(blocks)))
+        if self.mamba_layers:
+            self.allocate_state(len(lens))
+        params = SamplingParams(max_tokens=1)
+        reqs = [ScheduledRequest(f"profile-{i}", [0] * n, 0, list(range(first_block[i], first_block[i] + blocks[i])),
+                                 False, n, params, state_slot=i if self.mamba_layers else None)
+                for i, n in enumerate(lens)]
+        try:
+            meta, input_ids, positions = self._prepare(reqs)
+            with set_forward_context(meta):
+                hidden = self.model(input_ids, positions)
+            if compute_logits:
+                rows = self._on_device(list(range(min(num_seqs, num_tokens))))
+                logits = self.model.compute_logits(hidden[rows]).float()
+                draw = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+                sample(logits, [SamplingRow(draw, None, None, 0, 0, [])] * len(rows),
+                       torch.Generator(self.device).manual_seed(0))
+        finally:
+            for a in self.attn_layers:
+                a.kv_cache = None
+            for m in self.mamba_layers:
+                m.conv_state = m.ssm_state = None
+            self.num_blocks = 0
 
     # -- Mamba state (one slot per running request; a chunk at position 0 starts from zero state) --
     def state_bytes_per_request(self) -> int:
@@ -68,7 +120,7 @@ class ModelRunner:
         """Prefix-cache hits on Mamba models: copy each hit's state checkpoint into its slot."""
         pairs = [(r.state_slot, r.state_restore_from) for r in reqs if r.state_restore_from is not None]
         if pairs:
-            dst, src = torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+            dst, src = (to_device(torch.tensor(ids), self.device) for ids in zip(*pairs))
             for m in self.mamba_layers:
                 m.conv_state[dst] = m.conv_state[src]
                 m.ssm_state[dst] = m.ssm_state[src]
@@ -93,7 +145,7 @@ class ModelRunner:
         starts = meta.query_start_loc
         rows = [starts[i] + len(r.token_ids) - 1 for i, r in enumerate(reqs) if r.sample]
         if sample_reqs:
-            logits = self.model.compute_logits(hidden[rows]).float()
+            logits = self.model.compute_logits(hidden[self._on_device(rows)]).float()
             result = sample(logits, [self._sampling_row(r) for r in sample_reqs], self.default_generator)
             for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
                 out.sampled[r.request_id] = tok
@@ -126,27 +178,35 @@ class ModelRunner:
         # With the native kernel, chunks that continue a context (prefix-cache hits, later chunks of a
         # long prompt) are attended token by token in place, instead of gathering their context.
         num_paged_reqs = num_decodes
-        if cpu_kernels.native_lib() is not None:
+        if self.device.type == "cpu" and cpu_kernels.native_lib() is not None:
             while num_paged_reqs < len(reqs) and reqs[num_paged_reqs].start_pos > 0:
                 num_paged_reqs += 1
         num_paged = query_start_loc[num_paged_reqs]
+        # everything above is on the host; each tensor the forward reads is copied to the device once
+        dev = self.device
+        device_block_tables = to_device(block_tables, dev)
         prefills = [(query_start_loc[i], q_lens[i], reqs[i].start_pos,
-                     block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(num_paged_reqs, len(reqs))]
-        paged_block_tables = (block_tables[:num_decodes] if num_paged == num_decodes
-                              else block_tables[req_idx[:num_paged]])
+                     device_block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(num_paged_reqs, len(reqs))]
+        paged_block_tables = (device_block_tables[:num_decodes] if num_paged == num_decodes
+                              else to_device(block_tables[req_idx[:num_paged]], dev))
         slots = [r.state_slot for r in reqs]
         meta = AttentionMetadata(
-            num_tokens=num_tokens, slot_mapping=slot_mapping, block_size=bs, num_decodes=num_decodes,
+            num_tokens=num_tokens, slot_mapping=to_device(slot_mapping, dev), block_size=bs, num_decodes=num_decodes,
             num_paged_tokens=num_paged,
             paged_block_tables=paged_block_tables if num_paged else None,
-            paged_seq_lens=positions[:num_paged] + 1 if num_paged else None,
+            paged_seq_lens=to_device(positions[:num_paged] + 1, dev) if num_paged else None,
             paged_max_seq_len=max(seq_lens[:num_paged_reqs], default=0),
             prefills=prefills, query_start_loc=query_start_loc,
-            state_slots=(torch.tensor(slots, dtype=torch.long) if any(s is not None for s in slots) else None),
-            has_initial_state=torch.tensor([r.start_pos > 0 for r in reqs]),
+            state_slots=(self._on_device(slots) if any(s is not None for s in slots) else None),
+            has_initial_state=self._on_device([r.start_pos > 0 for r in reqs]),
+            fresh_decodes=any(r.start_pos == 0 for r in reqs[:num_decodes]),
             state_checkpoints=[(i, *r.state_checkpoint) for i, r in enumerate(reqs) if r.state_checkpoint] or None,
         )
-        return meta, input_ids, positions
+        return meta, to_device(input_ids, dev), to_device(positions, dev)
+
+    def _on_device(self, values: list) -> torch.Tensor:
+        """A list of ints (or bools) as a tensor on the device (int64 for ints, as torch.tensor makes it)."""
+        return to_device(torch.tensor(values), self.device)
 
     def _sampling_row(self, r: ScheduledRequest) -> SamplingRow:
         p = r.sampling_params
@@ -154,7 +214,7 @@ class ModelRunner:
         if p.seed is not None and not p.greedy:
             gen = self.generators.get(r.request_id)
             if gen is None:
-                gen = self.generators[r.request_id] = torch.Generator().manual_seed(p.seed)
+                gen = self.generators[r.request_id] = torch.Generator(self.device).manual_seed(p.seed)
         num_tokens = r.start_pos + len(r.token_ids)
         stop_ids = list(p.stop_token_ids)
         if not p.ignore_eos and self.eos_token_id is not None:
@@ -169,8 +229,8 @@ class ModelRunner:
             return []
         rows = [q_start + p - r.start_pos for p in positions]
         targets = [r.prompt_token_ids[p + 1] for p in positions]
-        logits = self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden[self._on_device(rows)]).float()
         k = r.sampling_params.prompt_logprobs
-        lps, ranks, top_ids, top_vals = prompt_logprobs(logits, torch.tensor(targets), k)
+        lps, ranks, top_ids, top_vals = prompt_logprobs(logits, self._on_device(targets), k)
         return [(p + 1, t, lp, rk, ti, tv) for p, t, lp, rk, ti, tv in
                 zip(positions, targets, lps, ranks, top_ids, top_vals)]

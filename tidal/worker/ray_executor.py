@@ -1,5 +1,6 @@
 """RayExecutor: the same workers as the multiprocessing executor, placed by Ray as actors on the
-cluster this process is connected to (or a local one), so ranks can live on several machines."""
+cluster this process is connected to (or a local one), so ranks can live on several machines. On
+CUDA each actor asks Ray for one GPU, which Ray makes the only one the actor sees (its cuda:0)."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,7 @@ from tidal.worker.executor import (
     _threads_per_worker,
     execute_timeout_s,
 )
+from tidal.worker.memory import cache_budget_bytes
 from tidal.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -52,17 +54,20 @@ class RayExecutor(Executor):
         self.timeout_s = execute_timeout_s()
         self._failed: str | None = None
         self.actors = []
-        self.placement_group = ray.util.placement_group([{"CPU": 1}] * self.world, strategy="PACK")
+        self.device = config.device
+        num_gpus = 1 if self.device == "cuda" else 0
+        bundle = {"CPU": 1, "GPU": 1} if num_gpus else {"CPU": 1}
+        self.placement_group = ray.util.placement_group([bundle] * self.world, strategy="PACK")
         self._finalizer = weakref.finalize(self, _ray_kill, self.actors, self.placement_group)
         try:
             ray.get(self.placement_group.ready(), timeout=max(_INIT_TIMEOUT_S, self.timeout_s))
-            remote_worker = ray.remote(num_cpus=1)(Worker)
+            remote_worker = ray.remote(num_cpus=1, num_gpus=num_gpus)(Worker)
             threads = _threads_per_worker(self.world)
 
             for rank in range(self.world):
                 strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
                 self.actors.append(remote_worker.options(scheduling_strategy=strategy).remote(
-                    config, rank, eos_token_id, self.timeout_s, threads))
+                    config, rank, eos_token_id, self.timeout_s, threads, 0))
             # rank 0 hosts the rendezvous, on whichever node Ray placed it
             # starting actors (a Python process each, importing torch) is slow on a loaded machine
             init_method = ray.get(self.actors[0].get_rendezvous.remote(),
@@ -111,6 +116,11 @@ class RayExecutor(Executor):
 
     def kv_bytes_per_token(self) -> int:
         return max(self._call("kv_bytes_per_token"))
+
+    def cache_budget_bytes(self, *args) -> int:
+        if self.device != "cuda":  # as before: one budget measured where the engine runs
+            return cache_budget_bytes(None)
+        return min(self._call("cache_budget_bytes", *args, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s)))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)

@@ -3,6 +3,7 @@ parallel state set (so every layer creates and loads only this rank's shard, and
 only its layers), and runs the scheduler's batches through an ordinary ModelRunner.
 
 The same class runs inside a process started by the multiprocessing executor and as a Ray actor.
+On CUDA each rank drives one GPU (cuda:local_rank) and the ranks talk over NCCL; on CPU over gloo.
 
 Pipeline parallelism keeps stages busy by splitting each step's batch into micro-batches: stage s
 works on micro-batch i + 1 while stage s + 1 works on micro-batch i (sends do not wait), so with P
@@ -34,12 +35,15 @@ class WorkerInfo:
     weight_bytes: int
     load_seconds: float
     pid: int
+    device: str = "cpu"
 
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, eos_token_id: int | None, timeout_s: float = 60.0,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, local_rank: int | None = None) -> None:
+        """local_rank: this rank's GPU index on its machine (default: rank); unused on CPU."""
         self.config, self.rank = config, rank
+        self.local_rank = rank if local_rank is None else local_rank
         self.eos_token_id, self.timeout_s, self.num_threads = eos_token_id, timeout_s, num_threads
         self.tp_size, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         self.pp_rank, self.tp_rank = divmod(rank, self.tp_size)
@@ -58,8 +62,14 @@ class Worker:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         t0 = time.perf_counter()
-        init_distributed(self.rank, self.tp_size, self.pp_size, init_method, self.timeout_s)
-        loaded = load_model(self.config.model, self.config.dtype)
+        if self.config.device == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)  # before NCCL joins: each rank's communicator on its own GPU
+        else:
+            device = torch.device("cpu")
+        init_distributed(self.rank, self.tp_size, self.pp_size, init_method, self.timeout_s,
+                         backend="nccl" if device.type == "cuda" else "gloo")
+        loaded = load_model(self.config.model, self.config.dtype, device=device)
         model = loaded.model
         dtype = next(model.parameters()).dtype
         self.runner = ModelRunner(model, dtype, self.config.block_size, self.config.seed, self.eos_token_id)
@@ -67,14 +77,22 @@ class Worker:
         layers = ((stack.start_layer, stack.end_layer) if stack is not None  # models without stages hold every layer
                   else (0, getattr(loaded.config, "num_hidden_layers", 0)))
         info = WorkerInfo(self.rank, self.tp_rank, self.pp_rank, layers, loaded.weight_bytes,
-                          time.perf_counter() - t0, os.getpid())
-        logger.info("rank %d (tp %d/%d, pp %d/%d): layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
-                    self.rank, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, *layers,
+                          time.perf_counter() - t0, os.getpid(), str(device))
+        logger.info("rank %d (tp %d/%d, pp %d/%d) on %s: layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
+                    self.rank, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, device, *layers,
                     info.weight_bytes / 1e6, info.load_seconds)
         return info
 
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token()
+
+    def cache_budget_bytes(self, *args) -> int:
+        """Every rank profiles at once (the forward's collectives need them all); see ModelRunner."""
+        from tidal.distributed import wait_pp_sends
+        try:
+            return self.runner.cache_budget_bytes(*args, compute_logits=self.is_last_stage)
+        finally:
+            wait_pp_sends()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

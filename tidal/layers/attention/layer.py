@@ -1,6 +1,7 @@
 """Attention: the paged-attention interface a model calls. It writes this step's K/V into the
 layer's KV cache at `slot_mapping`, then attends through block tables. The torch backend below runs
-on CPU (and anywhere torch does); a GPU backend implements the same two functions.
+wherever torch does (it is the path on CUDA, through torch's fused attention kernels); a dedicated
+GPU backend would implement the same two functions.
 
 KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`).
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
@@ -97,7 +98,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len
     if ctx_len == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        mask = torch.ones(Lq, Lk, dtype=torch.bool).tril(diagonal=ctx_len)
+        mask = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(diagonal=ctx_len)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
 
@@ -113,7 +114,7 @@ def decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tens
     L = nb * block_size
     ks = k_cache[bt].permute(0, 2, 1, 4, 3).reshape(B, Hk, L, D)  # [B, Hk, L, D]
     vs = v_cache[bt].permute(0, 2, 1, 3, 4).reshape(B, Hk, L, D)
-    mask = torch.arange(L) < seq_lens.unsqueeze(1)  # [B, L]
+    mask = torch.arange(L, device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
     qh = q.view(B, Hk, Hq // Hk, D)  # the query heads of each KV group act as query rows
     o = F.scaled_dot_product_attention(qh, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)
     return o.reshape(B, Hq, D)

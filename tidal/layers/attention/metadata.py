@@ -33,5 +33,8 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     # per request: does this chunk start at position 0 (fresh recurrent state)?
     has_initial_state: torch.Tensor | None = None
+    # does any decode start at position 0 (a one-token prompt)? Known on the host, so layers need not
+    # read has_initial_state back from the device; None: read it
+    fresh_decodes: bool | None = None
     # Mamba state checkpoints to write: (request index in batch, after how many of its tokens, state index)
     state_checkpoints: list[tuple[int, int, int]] | None = None
