@@ -306,9 +306,22 @@ class MultiprocExecutor(Executor):
                     self._fail(f"worker rank {rank} (pid {p.pid}) died while running {method} "
                                f"(exit code {p.exitcode}){hint}")
                 if status == "error":
-                    self._fail(value)
+                    self._fail_with_cause(method, rank, value)
                 replies[rank] = value
         return [replies[r] for r in range(self.world)]
+
+    def _fail_with_cause(self, method: str, rank: int, error: str):
+        """A rank raised. When another rank died, that is usually the cause (the survivor's collective
+        lost its peer): report the death first, then the error it caused."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dead = [(r, p) for r, p in enumerate(self.procs) if r != rank and p.exitcode is not None]
+            if dead:
+                r, p = dead[0]
+                self._fail(f"worker rank {r} (pid {p.pid}) died while running {method} (exit code {p.exitcode}); "
+                           f"then {error}")
+            time.sleep(0.05)
+        self._fail(error)
 
     def _fail(self, why: str):
         self._failed = why.splitlines()[0]
