@@ -19,8 +19,8 @@ class AttentionMetadata:
     # decodes: the first num_decodes tokens, one per request
     num_decodes: int
     # Tokens attended one by one through the paged kernel: the first num_paged_tokens of the batch
-    # (decodes, then - with the native kernel - every token of chunks that continue a cached context;
-    # each such token is a query over its own prefix, read in place from the blocks).
+    # (with the native kernel, every token: each is a query over its own prefix, read in place from the
+    # blocks; without it, the decodes).
     num_paged_tokens: int
     paged_block_tables: torch.Tensor | None  # [num_paged_tokens, max_blocks] int64 (padded)
     paged_seq_lens: torch.Tensor | None      # [num_paged_tokens] int64: position + 1
