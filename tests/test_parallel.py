@@ -366,3 +366,17 @@ def test_server_health_turns_unhealthy_when_a_worker_dies_and_stop_leaves_no_pro
             proc.kill()
             proc.wait()
     assert _all_gone(pids), "worker processes outlived the server"
+
+
+def test_jamba_large_estimate_runs_on_the_meta_device():
+    """benchmarks/parallel.py --estimate-only builds Jamba-1.5-Large's shapes (no memory) and sizes its
+    cache with the engine's own code: the published parameter count and the int8 weights per GPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "parallel.py"
+    out = subprocess.run([sys.executable, str(script), "--estimate-only"], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    assert "(398.6B parameters)" in out
+    assert "weights per GPU: 50.0 GB int8" in out

@@ -50,7 +50,9 @@ class ModelRunner:
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
-        self.default_generator = torch.Generator(self.device).manual_seed(seed)
+        # (a model on the meta device - shapes only, for sizing estimates - samples nothing)
+        gen_device = "cpu" if self.device.type == "meta" else self.device
+        self.default_generator = torch.Generator(gen_device).manual_seed(seed)
         self.num_blocks = 0
 
     # -- KV cache --------------------------------------------------------------------------------
