@@ -6,8 +6,9 @@ GPU backend would implement the same two functions.
 KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`).
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
 so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
-without horizontal sums. Decodes use the native CPU kernel (tidal/layers/cpu_kernels.py) when it is available,
-reading K/V in place; the torch path gathers them.
+without horizontal sums. With the native CPU kernel (tidal/layers/cpu_kernels.py) every token of the
+batch - decodes and prompt chunks alike - is attended in place through it; otherwise decodes take the
+torch decode path (which gathers the blocks) and chunks torch's SDPA.
 """
 from __future__ import annotations
 
