@@ -60,6 +60,12 @@ def test_paged_decode_matches_torch(dtype):
     reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, 150, d ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(native.float(), reference, atol=tol, rtol=tol)
+    # queries that share a request's table through an index (prompt tokens of one chunk)
+    index = torch.tensor([2, 2, 0, 3])
+    lens = torch.tensor([148, 150, 9, 20])
+    native = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, index)
+    reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables[index], lens, 150, d ** -0.5)
+    torch.testing.assert_close(native.float(), reference, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("rows", [1, 2])

@@ -19,7 +19,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_attention_decode
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn = lib.tidal_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -49,8 +49,10 @@ def _lib_for(t: torch.Tensor) -> ctypes.CDLL | None:
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q [B, Hq, D] over each request's cached K/V (layouts of layer.split_kv_cache).
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           table_index: torch.Tensor | None = None) -> torch.Tensor | None:
+    """q [B, Hq, D], each a query over its first seq_lens[b] cached K/V (layouts of layer.split_kv_cache),
+    through block_tables[table_index[b]] (block_tables[b] without an index).
     Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
     lib = _lib_for(q)
     if lib is None or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
@@ -58,10 +60,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = q.contiguous()
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
+    index = None if table_index is None else table_index.contiguous()
     out = torch.empty_like(q)
     B, Hq, D = q.shape
     lib.tidal_paged_attention_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        None if index is None else index.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
         _DTYPES[q.dtype], torch.get_num_threads())
     return out

@@ -190,13 +190,15 @@ class ModelRunner:
         device_block_tables = to_device(block_tables, dev)
         prefills = [(query_start_loc[i], q_lens[i], reqs[i].start_pos,
                      device_block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(num_paged_reqs, len(reqs))]
-        paged_block_tables = (device_block_tables[:num_decodes] if num_paged == num_decodes
-                              else to_device(block_tables[req_idx[:num_paged]], dev))
+        # per request, not per token: a long chunk over a long context would otherwise copy its table
+        # once per token
+        paged_table_index = to_device(req_idx[:num_paged], dev)
         slots = [r.state_slot for r in reqs]
         meta = AttentionMetadata(
             num_tokens=num_tokens, slot_mapping=to_device(slot_mapping, dev), block_size=bs, num_decodes=num_decodes,
             num_paged_tokens=num_paged,
-            paged_block_tables=paged_block_tables if num_paged else None,
+            paged_block_tables=device_block_tables if num_paged else None,
+            paged_table_index=paged_table_index if num_paged else None,
             paged_seq_lens=to_device(positions[:num_paged] + 1, dev) if num_paged else None,
             paged_max_seq_len=max(seq_lens[:num_paged_reqs], default=0),
             prefills=prefills, query_start_loc=query_start_loc,

@@ -43,9 +43,10 @@ class Attention(nn.Module):
         n = meta.num_paged_tokens
         if n:
             o = cpu_kernels.paged_attention_decode(q[:n], k_cache, v_cache, meta.paged_block_tables,
-                                                   meta.paged_seq_lens, self.scale)
+                                                   meta.paged_seq_lens, self.scale, meta.paged_table_index)
             if o is None:
-                o = decode_attention(q[:n], k_cache, v_cache, meta.paged_block_tables, meta.paged_seq_lens,
+                tables = meta.paged_block_tables[meta.paged_table_index]
+                o = decode_attention(q[:n], k_cache, v_cache, tables, meta.paged_seq_lens,
                                      meta.paged_max_seq_len, self.scale)
             out[:n] = o
         for q_start, q_len, ctx_len, block_ids in meta.prefills:

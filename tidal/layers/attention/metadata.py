@@ -22,7 +22,8 @@ class AttentionMetadata:
     # (with the native kernel, every token: each is a query over its own prefix, read in place from the
     # blocks; without it, the decodes).
     num_paged_tokens: int
-    paged_block_tables: torch.Tensor | None  # [num_paged_tokens, max_blocks] int64 (padded)
+    paged_block_tables: torch.Tensor | None  # [num_requests, max_blocks] int64 (padded), batch order
+    paged_table_index: torch.Tensor | None   # [num_paged_tokens] int64: each token's row in paged_block_tables
     paged_seq_lens: torch.Tensor | None      # [num_paged_tokens] int64: position + 1
     paged_max_seq_len: int
     # the remaining chunks: (query_start, query_len, context_len, block_ids [n] int64)

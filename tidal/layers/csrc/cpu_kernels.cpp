@@ -440,7 +440,7 @@ static AttendFn attend_for(int64_t G, int64_t D) {
 
 template <int DT>
 static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
-                   const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
+                   const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                    int64_t bs, int64_t max_blocks, float scale, int num_threads) {
   const int64_t G = Hq / Hk;
 #if defined(__AVX512F__)
@@ -453,7 +453,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
     for (int64_t item = 0; item < B * Hk; ++item) {
       const int64_t b = item / Hk, h = item % Hk;
       const int64_t L = seq_lens[b];
-      const int64_t* table = block_tables + b * max_blocks;
+      const int64_t* table = block_tables + (table_index ? table_index[b] : b) * max_blocks;
       scores.resize(G * L + G * ((L + 1) / 2));  // scores, then room for bf16 probability pairs
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d);
@@ -595,14 +595,14 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 }
 
 // q [B, Hq, D]; k_cache [num_blocks, Hk, D, block_size]; v_cache [num_blocks, Hk, block_size, D];
-// block_tables [B, max_blocks];
+// block_tables [rows, max_blocks]; table_index [B] (query b reads row table_index[b]; null: row b);
 // seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype: 0 f32, 1 bf16, 2 f16.
 void tidal_paged_attention_decode(const void* q, const void* k_cache, const void* v_cache,
-                                  const int64_t* block_tables, const int64_t* seq_lens, void* out, int64_t B,
-                                  int64_t Hq, int64_t Hk, int64_t D, int64_t block_size, int64_t max_blocks,
-                                  float scale, int dtype, int num_threads) {
-  if (dtype == kF32) decode<kF32>(q, k_cache, v_cache, block_tables, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
-  else if (dtype == kBF16) decode<kBF16>(q, k_cache, v_cache, block_tables, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
-  else decode<kF16>(q, k_cache, v_cache, block_tables, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+                                  const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
+                                  void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
+                                  int64_t max_blocks, float scale, int dtype, int num_threads) {
+  if (dtype == kF32) decode<kF32>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+  else if (dtype == kBF16) decode<kBF16>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+  else decode<kF16>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
 }
 }
