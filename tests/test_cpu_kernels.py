@@ -68,7 +68,7 @@ def test_paged_decode_matches_torch(dtype):
     torch.testing.assert_close(native.float(), reference, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [576, 100])  # a multiple of 32 and a ragged tail
 def test_skinny_gemm_matches_fp32_product(rows, k):
     torch.manual_seed(0)

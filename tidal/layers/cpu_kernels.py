@@ -1,7 +1,7 @@
 """Native CPU kernels, built by tidal/native.py, with thin wrappers that return None (or False) when
 the kernel cannot run so callers fall back to torch ops:
     csrc/cpu_kernels.cpp   paged decode attention, fused residual + RMSNorm, rotary, KV-cache writes
-    csrc/skinny_gemm.cpp   bf16 matrix products of one or two rows (single-stream decode)
+    csrc/skinny_gemm.cpp   bf16 matrix products of one to four rows (decode of a few requests)
 Tensors on another device (CUDA) always take the torch ops: the device is checked before the library
 is asked for, so a model on a GPU never builds it."""
 from __future__ import annotations
@@ -150,8 +150,9 @@ _GEMM_LIB = NativeLibrary("skinny_gemm", os.path.join(os.path.dirname(__file__),
                           ["-O3", "-march=native", "-fopenmp", "-std=c++17"], ["-fopenmp"], _configure_gemm)
 
 # Up to this many rows the native kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
-# GEMM; measured per model shape (benchmarks in docs): 1.4-2x for one row, ~1.1x for two, slower at four.
-SKINNY_MAX_ROWS = 2
+# GEMM. Measured on SmolLM2's shapes, 2 threads, summed over one layer's four products: 1.6x for one row,
+# 1.6x for two, 1.3x for three, 1.2x for four (at four rows the LM head alone is 10% slower).
+SKINNY_MAX_ROWS = 4
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -37,9 +37,9 @@ class UnquantizedLinearMethod:
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T (+ bias). Where a prepacked copy exists (bf16/fp16 on CPU), one- and two-row
-    products (decode of one or two requests) go to the native skinny kernel, which streams the plain
-    weight once; larger ones to oneDNN's prepacked GEMM. Otherwise F.linear."""
+    """x @ weight^T (+ bias). Where a prepacked copy exists (bf16/fp16 on CPU), products of up to
+    SKINNY_MAX_ROWS rows (decode of a few requests) go to the native skinny kernel, which streams the
+    plain weight once; larger ones to oneDNN's prepacked GEMM. Otherwise F.linear."""
     if packed is None:
         return F.linear(x, weight, bias)
     shape = x.shape

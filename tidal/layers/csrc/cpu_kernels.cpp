@@ -528,7 +528,7 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
 template <int DT>
 static void rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
                      int64_t T, int64_t H, float eps, int num_threads) {
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (T * H > 16384)  // a few decode rows: not worth waking threads
   {
     std::vector<float> row(H);
 #pragma omp for schedule(static)

@@ -1,5 +1,5 @@
 // Skinny bf16 matrix products for decode: out[M, N] = x[M, K] @ w[N, K]^T (+ bias) with M small
-// (one or two rows: single-stream decode). Such products are bound by reading the
+// (one to four rows: decode of one or a few requests). Such products are bound by reading the
 // weight once, so the kernel streams each weight row once for all M rows, with AVX-512 BF16 dot
 // products (VDPBF16PS: bf16 pairs multiplied, accumulated in fp32) and rounds to bf16 at the end.
 // Rows of the output are split over OpenMP threads. Plain C ABI (ctypes), no torch headers.
@@ -82,7 +82,7 @@ static void skinny(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
 
 #endif
 
-// Returns 0 when it ran, -1 when this build or M (1 or 2) does not support it (the caller uses its fallback).
+// Returns 0 when it ran, -1 when this build or M (1 to 4) does not support it (the caller uses its fallback).
 extern "C" int tidal_skinny_gemm_bf16(const void* x, const void* w, const void* bias, void* out,
                                       int64_t M, int64_t N, int64_t K, int num_threads) {
 #if defined(__AVX512BF16__)
@@ -93,6 +93,8 @@ extern "C" int tidal_skinny_gemm_bf16(const void* x, const void* w, const void* 
   switch (M) {
     case 1: skinny<1>(xs, ws, bs, os, N, K, num_threads); return 0;
     case 2: skinny<2>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 3: skinny<3>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 4: skinny<4>(xs, ws, bs, os, N, K, num_threads); return 0;
     default: return -1;
   }
 #else
