@@ -67,7 +67,8 @@ def _meta(lens: list[int], slots: list[int], fresh: list[bool]) -> AttentionMeta
         qsl.append(qsl[-1] + n)
     return AttentionMetadata(num_tokens=qsl[-1], slot_mapping=torch.zeros(qsl[-1], dtype=torch.long), block_size=4,
                              num_decodes=sum(1 for n in lens if n == 1), num_paged_tokens=0,
-                             paged_block_tables=None, paged_seq_lens=None, paged_max_seq_len=0, prefills=[],
+                             paged_block_tables=None, paged_table_index=None, paged_seq_lens=None,
+                             paged_max_seq_len=0, prefills=[],
                              query_start_loc=qsl,
                              state_slots=torch.tensor(slots), has_initial_state=torch.tensor([not f for f in fresh]))
 

@@ -26,3 +26,10 @@ def get_forward_context() -> Any:
     if _CONTEXT is None:
         raise RuntimeError("no forward context: layers must run inside the model runner's forward")
     return _CONTEXT
+
+
+def in_decode_only_step() -> bool:
+    """Whether the forward running now holds only decodes (one token per request); True outside a
+    forward (the LM head over the sampled rows)."""
+    ctx = _CONTEXT
+    return ctx is None or getattr(ctx, "num_decodes", -1) == getattr(ctx, "num_tokens", -2)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tidal.forward_context import in_decode_only_step
 from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, skinny_linear
 
 
@@ -38,13 +39,16 @@ class UnquantizedLinearMethod:
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T (+ bias). Where a prepacked copy exists (bf16/fp16 on CPU), products of up to
-    SKINNY_MAX_ROWS rows (decode of a few requests) go to the native skinny kernel, which streams the
-    plain weight once; larger ones to oneDNN's prepacked GEMM. Otherwise F.linear."""
+    SKINNY_MAX_ROWS rows in decode-only steps (decode of a few requests) go to the native skinny
+    kernel, which streams the plain weight once; everything else to oneDNN's prepacked GEMM, whose rows
+    do not depend on how many there are. Prompt tokens therefore always take oneDNN: a prompt's last
+    tokens computed after a prefix-cache hit (a few rows) round exactly as when the whole prompt runs,
+    so cached and uncached requests agree. Otherwise F.linear."""
     if packed is None:
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] <= SKINNY_MAX_ROWS:
+    if x2.shape[0] <= SKINNY_MAX_ROWS and in_decode_only_step():
         out = skinny_linear(x2, weight, bias)
         if out is not None:
             return out.view(*shape[:-1], out.shape[-1])
