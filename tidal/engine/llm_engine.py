@@ -40,7 +40,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.dtype = loaded.dtype if workers else next(loaded.model.parameters()).dtype
+        self.dtype = loaded.dtype  # activations and KV cache
         hf = loaded.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = self._max_model_len(hf)
@@ -68,6 +68,9 @@ class LLMEngine:
                                    self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints)
         if state_pool is not None:
             self._log_hybrid_plan(plan, state_pool)
+        if config.device == "cpu":
+            from tidal.layers import cpu_kernels
+            logger.info(cpu_kernels.describe())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._next_id = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
-from tidal.device import to_device
+from tidal.device import lazy_zeros, to_device
 from tidal.forward_context import set_forward_context
 from tidal.layers import cpu_kernels
 from tidal.layers.attention import Attention, AttentionMetadata
@@ -63,8 +63,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         for a in self.attn_layers:
-            a.kv_cache = torch.zeros(kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
-                                     dtype=self.dtype, device=self.device)
+            a.kv_cache = lazy_zeros(kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
+                                    self.dtype, self.device)
 
     # -- memory budget of the KV cache and the Mamba state ---------------------------------------
     def cache_budget_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,
