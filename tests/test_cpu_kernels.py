@@ -133,3 +133,25 @@ def test_silu_and_mul_matches_torch(isa, dtype):
         assert (native == reference).float().mean() > 0.99
     else:
         torch.testing.assert_close(native, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_fp32_queries_over_a_bf16_cache(isa):
+    """Activations in fp32 with a bf16 KV cache: rows are rounded as they are written and widened
+    as they are read."""
+    torch.manual_seed(0)
+    nb, hk, hq, bs, d = 30, 3, 9, 16, 64
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=torch.bfloat16)
+    k_cache, v_cache = split_kv_cache(kv)
+    k, v = torch.randn(40, hk, d), torch.randn(40, hk, d)
+    slots = torch.randperm(nb * bs)[:40]
+    assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots // bs, :, :, slots % bs], k.bfloat16())
+    assert torch.equal(v_cache[slots // bs, :, slots % bs, :], v.bfloat16())
+    kv.normal_()
+    tables = torch.randperm(nb)[:30].view(3, 10)
+    seq_lens = torch.tensor([5, 160, 77])
+    q = torch.randn(3, hq, d)
+    native = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, d ** -0.5)
+    assert native.dtype == torch.float32
+    reference = decode_attention(q, k_cache.float(), v_cache.float(), tables, seq_lens, 160, d ** -0.5)
+    torch.testing.assert_close(native, reference, atol=1e-5, rtol=1e-5)

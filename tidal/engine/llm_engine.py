@@ -50,7 +50,8 @@ class LLMEngine:
         if workers:  # same interface as a ModelRunner: execute / kv_bytes_per_token / allocate_kv_cache
             self.runner = self.executor = create_executor(config, self.eos_token_id)
         else:
-            self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
+            self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id,
+                                      kv_cache_dtype=loaded.weight_dtype)
             self.executor = UniProcExecutor(self.runner)
         budget = config.kv_cache_memory_bytes
         if budget is None:  # measured now that the weights are loaded (on CUDA, after a profiling forward)

@@ -23,7 +23,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_attention_decode
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
     fn = lib.tidal_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -37,7 +37,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_write_kv
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                   + [ctypes.c_int])
+                   + [ctypes.c_int] * 2)
 
 
 _LIB = NativeLibrary("cpu_kernels", os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp"),
@@ -69,14 +69,20 @@ def _lib_for(t: torch.Tensor) -> ctypes.CDLL | None:
     return native_lib() if t.device.type == "cpu" else None
 
 
+def _cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """The kernels read a cache of the activations' dtype, or a bf16 cache under fp32 activations."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.bfloat16)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            table_index: torch.Tensor | None = None) -> torch.Tensor | None:
     """q [B, Hq, D], each a query over its first seq_lens[b] cached K/V (layouts of layer.split_kv_cache),
-    through block_tables[table_index[b]] (block_tables[b] without an index).
-    Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
+    through block_tables[table_index[b]] (block_tables[b] without an index). The cache is of q's dtype,
+    or bf16 under fp32 queries. Returns None when the native kernel is unavailable or the inputs are not
+    on the CPU."""
     lib = _lib_for(q)
-    if lib is None or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
+    if lib is None or q.dtype not in _DTYPES or not _cache_dtype_ok(q.dtype, k_cache.dtype):
         return None
     q = q.contiguous()
     block_tables = block_tables.contiguous()
@@ -88,7 +94,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         None if index is None else index.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
-        _DTYPES[q.dtype], torch.get_num_threads())
+        _DTYPES[q.dtype], _DTYPES[k_cache.dtype], torch.get_num_threads())
     return out
 
 
@@ -113,15 +119,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store k/v [T, Hk, D] (rows may be strided) at their slots of k_cache [nb, Hk, D, bs] and
     v_cache [nb, Hk, bs, D]; False when the native kernel does not apply."""
     lib = _lib_for(k)
-    if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype
-            or k_cache.dtype != k.dtype or v_cache.dtype != k.dtype or slot_mapping.dtype != torch.int64):
+    if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype or not _cache_dtype_ok(k.dtype, k_cache.dtype)
+            or v_cache.dtype != k_cache.dtype or slot_mapping.dtype != torch.int64):
         return False
     for t in (k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
             return False
     T, Hk, D = k.shape
     lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.contiguous().data_ptr(),
-                       k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype])
+                       k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
+                       _DTYPES[k_cache.dtype])
     return True
 
 

@@ -376,11 +376,12 @@ static void accumulate_bf16(const float* scores, const uint16_t* v_cache, const 
 
 // One (request, KV head) item on the vector path: scores, softmax, weighted sum of V. qf holds the
 // G query rows unscaled, in fp32; work (G * L floats, then G * L / 2 pairs) is scratch space.
-template <int DT, int G, int C>
+// QEXACT: the queries are values of the cache dtype (not fp32 queries over a bf16 cache).
+template <int DT, int G, int C, bool QEXACT>
 static void attend_vec(float* qf, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
                       int64_t L, int64_t h, int64_t Hk, int64_t bs, float* scores, float* acc) {
 #if defined(__AVX512BF16__)
-  if constexpr (DT == kBF16 && C % 2 == 0) {
+  if constexpr (DT == kBF16 && C % 2 == 0 && QEXACT) {
     uint16_t qb[G * C * 16];
     for (int64_t i = 0; i < G * C * 16; ++i) qb[i] = float_to_bf16(qf[i]);  // exact: qf came from bf16
     const auto kc = static_cast<const uint16_t*>(k_cache);
@@ -400,44 +401,45 @@ static void attend_vec(float* qf, float scale, const void* k_cache, const void* 
 using AttendFn = void (*)(float*, float, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
                           int64_t, float*, float*);
 
-template <int DT, int G>
+template <int DT, bool QEXACT, int G>
 static AttendFn attend_for_chunks(int64_t C) {
   switch (C) {
-    case 1: return attend_vec<DT, G, 1>;
-    case 2: return attend_vec<DT, G, 2>;
-    case 4: return attend_vec<DT, G, 4>;
-    case 8: return attend_vec<DT, G, 8>;
-    case 16: return attend_vec<DT, G, 16>;
+    case 1: return attend_vec<DT, G, 1, QEXACT>;
+    case 2: return attend_vec<DT, G, 2, QEXACT>;
+    case 4: return attend_vec<DT, G, 4, QEXACT>;
+    case 8: return attend_vec<DT, G, 8, QEXACT>;
+    case 16: return attend_vec<DT, G, 16, QEXACT>;
     default: return nullptr;
   }
 }
 
 // The vector kernel for G query heads per KV head and head_dim D, or null (generic path).
-template <int DT>
+template <int DT, bool QEXACT>
 static AttendFn attend_for(int64_t G, int64_t D) {
   if (D % W != 0) return nullptr;
   const int64_t C = D / W;
   switch (G) {
-    case 1: return attend_for_chunks<DT, 1>(C);
-    case 2: return attend_for_chunks<DT, 2>(C);
-    case 3: return attend_for_chunks<DT, 3>(C);
-    case 4: return attend_for_chunks<DT, 4>(C);
-    case 5: return attend_for_chunks<DT, 5>(C);
-    case 6: return attend_for_chunks<DT, 6>(C);
-    case 7: return attend_for_chunks<DT, 7>(C);
-    case 8: return attend_for_chunks<DT, 8>(C);
+    case 1: return attend_for_chunks<DT, QEXACT, 1>(C);
+    case 2: return attend_for_chunks<DT, QEXACT, 2>(C);
+    case 3: return attend_for_chunks<DT, QEXACT, 3>(C);
+    case 4: return attend_for_chunks<DT, QEXACT, 4>(C);
+    case 5: return attend_for_chunks<DT, QEXACT, 5>(C);
+    case 6: return attend_for_chunks<DT, QEXACT, 6>(C);
+    case 7: return attend_for_chunks<DT, QEXACT, 7>(C);
+    case 8: return attend_for_chunks<DT, QEXACT, 8>(C);
     default: return nullptr;
   }
 }
 #endif
 
-template <int DT>
+// QDT: queries and output; KDT: the cache (fp32 queries over a bf16 cache when activations are fp32).
+template <int QDT, int KDT>
 static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                    const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                    int64_t bs, int64_t max_blocks, float scale, int num_threads) {
   const int64_t G = Hq / Hk;
 #if defined(TIDAL_VEC)
-  const AttendFn vec = bs % W == 0 ? attend_for<DT>(G, D) : nullptr;
+  const AttendFn vec = bs % W == 0 ? attend_for<KDT, QDT == KDT>(G, D) : nullptr;
 #endif
 #pragma omp parallel num_threads(num_threads)
   {
@@ -449,7 +451,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
       const int64_t* table = block_tables + (table_index ? table_index[b] : b) * max_blocks;
       scores.resize(G * L + G * ((L + 1) / 2));  // scores, then room for bf16 probability pairs
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<QDT>(q, (b * Hq + h * G + g) * D + d);
 #if defined(TIDAL_VEC)
       if (vec) {
         vec(qf.data(), scale, k_cache, v_cache, table, L, h, Hk, bs, scores.data(), acc.data());
@@ -457,12 +459,12 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
 #endif
       {
         for (auto& x : qf) x *= scale;
-        scores_generic<DT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
+        scores_generic<KDT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
         for (int64_t g = 0; g < G; ++g) softmax_generic(scores.data() + g * L, L);
-        accumulate_generic<DT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
+        accumulate_generic<KDT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) store1<DT>(out, (b * Hq + h * G + g) * D + d, acc[g * D + d]);
+        for (int64_t d = 0; d < D; ++d) store1<QDT>(out, (b * Hq + h * G + g) * D + d, acc[g * D + d]);
     }
   }
 }
@@ -497,21 +499,29 @@ static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, co
 // Writes this step's K/V rows into the paged cache: k, v [T, Hk, D] with row strides k_stride,
 // v_stride (elements); token t goes to slot slots[t] = block * bs + offset of
 // k_cache [num_blocks, Hk, D, bs] (K blocks transposed) and v_cache [num_blocks, Hk, bs, D].
-template <int DT>
+template <typename S, typename E>
+static inline E convert(S x) {
+  if constexpr (std::is_same<S, E>::value) return x;
+  else return float_to_bf16(x);  // fp32 rows into a bf16 cache
+}
+
+template <typename S, typename E>
 static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                      void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs) {
-  using E = typename std::conditional<DT == kF32, float, uint16_t>::type;
-  const E* ks = static_cast<const E*>(k);
-  const E* vs = static_cast<const E*>(v);
+  const S* ks = static_cast<const S*>(k);
+  const S* vs = static_cast<const S*>(v);
   E* kc = static_cast<E*>(k_cache);
   E* vc = static_cast<E*>(v_cache);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / bs, off = slots[t] % bs;
     for (int64_t h = 0; h < Hk; ++h) {
-      const E* kr = ks + t * k_stride + h * D;
+      const S* kr = ks + t * k_stride + h * D;
+      const S* vr = vs + t * v_stride + h * D;
       E* kdst = kc + (block * Hk + h) * D * bs + off;
-      for (int64_t d = 0; d < D; ++d) kdst[d * bs] = kr[d];
-      std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vs + t * v_stride + h * D, D * sizeof(E));
+      E* vdst = vc + ((block * Hk + h) * bs + off) * D;
+      for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
+      if constexpr (std::is_same<S, E>::value) std::memcpy(vdst, vr, D * sizeof(E));
+      else for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
     }
   }
 }
@@ -582,10 +592,16 @@ void tidal_rope_neox(const void* x, int64_t x_stride, const float* cos_full, con
   else rope_neox<kF16>(x, x_stride, cos_full, sin_signed, positions, out, T, H, D, num_threads);
 }
 
+// dtype: of k and v; kv_dtype: of the cache (equal, or fp32 rows into a bf16 cache).
 void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
-                    void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype) {
-  if (dtype == kF32) write_kv<kF32>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
-  else write_kv<kBF16>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);  // any 2-byte type
+                    void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype,
+                    int kv_dtype) {
+  if (dtype == kF32 && kv_dtype == kBF16)
+    write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+  else if (dtype == kF32)
+    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+  else  // any 2-byte type into the same type
+    write_kv<uint16_t, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
 }
 
 // x, residual (may be null), out, residual_out: [T, H]; weight [H]. dtype: 0 f32, 1 bf16, 2 f16.
@@ -598,13 +614,18 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 
 // q [B, Hq, D]; k_cache [num_blocks, Hk, D, block_size]; v_cache [num_blocks, Hk, block_size, D];
 // block_tables [rows, max_blocks]; table_index [B] (query b reads row table_index[b]; null: row b);
-// seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype: 0 f32, 1 bf16, 2 f16.
+// seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype (q and out), kv_dtype
+// (the cache): 0 f32, 1 bf16, 2 f16; equal, or fp32 queries over a bf16 cache.
 void tidal_paged_attention_decode(const void* q, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
                                   void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
-                                  int64_t max_blocks, float scale, int dtype, int num_threads) {
-  if (dtype == kF32) decode<kF32>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
-  else if (dtype == kBF16) decode<kBF16>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
-  else decode<kF16>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+                                  int64_t max_blocks, float scale, int dtype, int kv_dtype, int num_threads) {
+#define TIDAL_DECODE(Q, K) decode<Q, K>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, \
+                                        block_size, max_blocks, scale, num_threads)
+  if (dtype == kF32 && kv_dtype == kBF16) TIDAL_DECODE(kF32, kBF16);
+  else if (dtype == kF32) TIDAL_DECODE(kF32, kF32);
+  else if (dtype == kBF16) TIDAL_DECODE(kBF16, kBF16);
+  else TIDAL_DECODE(kF16, kF16);
+#undef TIDAL_DECODE
 }
 }
