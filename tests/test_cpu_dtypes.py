@@ -29,7 +29,8 @@ def test_auto_on_a_cpu_without_bf16_is_fp32_compute_with_bf16_weights():
 
 @pytest.mark.skipif("avx512_bf16" not in runnable_isas(), reason="needs a CPU with AVX-512 BF16")
 def test_auto_on_a_cpu_with_bf16_is_bf16():
-    assert resolve_dtypes("auto", BF16_CONFIG) == (torch.bfloat16, torch.bfloat16)
+    with isa_override("avx512_bf16"):
+        assert resolve_dtypes("auto", BF16_CONFIG) == (torch.bfloat16, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
