@@ -160,100 +160,94 @@ static void silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int num
   }
 }
 
-// block_size a multiple of W: the scores of W consecutive tokens accumulate in one register.
+// block_size a multiple of W: the scores of W consecutive tokens accumulate in one register. TV
+// registers of tokens (possibly of different blocks) per query head are in flight at once, so that
+// G * TV independent FMA chains hide the FMA latency and each broadcast query value serves TV vectors.
 // G (query heads per KV head) and C (head_dim / W) are template parameters so the accumulators stay
 // in registers.
-template <int DT, int G, int C>
+template <int DT, int G, int C, int TV>
 static void scores_vec(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
                        int64_t h, int64_t Hk, int64_t bs, float* scores) {
-  constexpr int64_t D = C * W;
-  float tmp[G][W];
+  constexpr int64_t D = C * W, STEP = TV * W;
+  float tmp[W];
   const int64_t chunk_bytes = D * bs * elem_size<DT>();  // one block of one head: contiguous
-  for (int64_t start = 0; start < L; start += W) {
-    const int64_t blk = table[start / bs], off = start % bs;
-    const int64_t base = (blk * Hk + h) * D * bs + off;
-    if (off == 0) {
-      // Blocks sit at random places: hide their memory latency by asking for the K block four ahead
-      // (into L2: more misses can be in flight there than in L1; measured 1.25x over one block ahead
-      // into L1) and for this block's V (the second pass reads it; a request's V fits in L2).
-      constexpr int64_t ahead = 4;
-      if (start + ahead * bs < L)
-        prefetch_bytes<_MM_HINT_T1>(static_cast<const char*>(k_cache) + (table[start / bs + ahead] * Hk + h) * chunk_bytes,
-                                    chunk_bytes);
-      prefetch_bytes<_MM_HINT_T1>(static_cast<const char*>(v_cache) + (blk * Hk + h) * chunk_bytes, chunk_bytes);
+  for (int64_t start = 0; start < L; start += STEP) {
+    int64_t base[TV];
+    for (int v = 0; v < TV; ++v) {
+      const int64_t t0 = start + v * W;
+      if (t0 >= L) { base[v] = base[0]; continue; }  // past the sequence: computed, never stored
+      const int64_t blk = table[t0 / bs], off = t0 % bs;
+      base[v] = (blk * Hk + h) * D * bs + off;
+      if (off == 0) {
+        // Blocks sit at random places: hide their memory latency by asking for the K block four ahead
+        // (into L2: more misses can be in flight there than in L1; measured 1.25x over one block ahead
+        // into L1) and for this block's V (the second pass reads it; a request's V fits in L2).
+        constexpr int64_t ahead = 4;
+        if (t0 + ahead * bs < L)
+          prefetch_bytes<_MM_HINT_T1>(static_cast<const char*>(k_cache) + (table[t0 / bs + ahead] * Hk + h) * chunk_bytes,
+                                      chunk_bytes);
+        prefetch_bytes<_MM_HINT_T1>(static_cast<const char*>(v_cache) + (blk * Hk + h) * chunk_bytes, chunk_bytes);
+      }
     }
-    vf acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = simd::zero();
+    vf acc[G][TV];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < TV; ++v) acc[g][v] = simd::zero();
     for (int64_t d = 0; d < D; ++d) {
-      const vf k = loadv<DT>(k_cache, base + d * bs);
-      for (int g = 0; g < G; ++g) acc[g] = simd::fmadd(simd::set1(qf[g * D + d]), k, acc[g]);
-    }
-    const int64_t n = std::min<int64_t>(W, L - start);
-    if (n == W) {
-      for (int g = 0; g < G; ++g) simd::store(scores + g * L + start, acc[g]);
-    } else {
+      vf k[TV];
+      for (int v = 0; v < TV; ++v) k[v] = loadv<DT>(k_cache, base[v] + d * bs);
       for (int g = 0; g < G; ++g) {
-        simd::store(tmp[g], acc[g]);
-        std::copy(tmp[g], tmp[g] + n, scores + g * L + start);
+        const vf qv = simd::set1(qf[g * D + d]);
+        for (int v = 0; v < TV; ++v) acc[g][v] = simd::fmadd(qv, k[v], acc[g][v]);
+      }
+    }
+    for (int v = 0; v < TV; ++v) {
+      const int64_t t0 = start + v * W;
+      if (t0 >= L) break;
+      const int64_t n = std::min<int64_t>(W, L - t0);
+      for (int g = 0; g < G; ++g) {
+        if (n == W) {
+          simd::store(scores + g * L + t0, acc[g][v]);
+        } else {
+          simd::store(tmp, acc[g][v]);
+          std::copy(tmp, tmp + n, scores + g * L + t0);
+        }
       }
     }
   }
 }
 
-// Weighted sum of V rows. With up to kAccRegs accumulators (G * C) they stay in registers for the
-// whole sequence; otherwise (AVX2's 16 registers with a long head_dim) each block is read once per
-// group of query heads, from L1, with the group's sums carried in `out` between blocks.
+// Weighted sum of V rows: out[g] = sum_t p[g, t] V[t]. The head dim is covered in passes of CB
+// vectors, with all G query heads' sums for those CB vectors in registers (G * CB <= kAccRegs) for the
+// whole sequence: each pass reads its own part of every V row, so V is read (and widened) once.
 template <int DT, int G, int C>
 static void accumulate_vec(const float* scores, const void* v_cache, const int64_t* table, int64_t L, int64_t h,
                            int64_t Hk, int64_t bs, float* out) {
   constexpr int64_t D = C * W;
   constexpr int kAccRegs = W == 16 ? 24 : 12;
-  constexpr int GB = G * C <= kAccRegs ? G : std::max(1, kAccRegs / C);  // query heads per pass
+  constexpr int CB = std::max(1, std::min(C, kAccRegs / G));  // vectors of the head dim per pass
   const int64_t chunk_bytes = D * bs * elem_size<DT>();
-  if constexpr (GB == G) {
-    vf av[G][C];
+  for (int c0 = 0; c0 < C; c0 += CB) {
+    vf av[G][CB];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) av[g][c] = simd::zero();
+      for (int c = 0; c < CB; ++c) av[g][c] = simd::zero();
+    const int cn = std::min(CB, C - c0);
     for (int64_t start = 0; start < L; start += bs) {  // block by block: no division per token
       const int64_t n = std::min(bs, L - start);
-      const int64_t block_base = (table[start / bs] * Hk + h) * bs * D;
-      if (start + bs < L)
+      const int64_t block_base = (table[start / bs] * Hk + h) * bs * D + c0 * W;
+      if (c0 == 0 && start + bs < L)
         prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
       for (int64_t off = 0; off < n; ++off) {
         const int64_t base = block_base + off * D, t = start + off;
-        vf vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = loadv<DT>(v_cache, base + c * W);
+        vf vv[CB];
+        for (int c = 0; c < CB; ++c) vv[c] = c < cn ? loadv<DT>(v_cache, base + c * W) : simd::zero();
         for (int g = 0; g < G; ++g) {
           const vf p = simd::set1(scores[g * L + t]);
-          for (int c = 0; c < C; ++c) av[g][c] = simd::fmadd(p, vv[c], av[g][c]);
+          for (int c = 0; c < CB; ++c) av[g][c] = simd::fmadd(p, vv[c], av[g][c]);
         }
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) simd::store(out + g * D + c * W, av[g][c]);
-  } else {
-    std::fill(out, out + G * D, 0.f);
-    for (int64_t start = 0; start < L; start += bs) {
-      const int64_t n = std::min(bs, L - start);
-      const int64_t block_base = (table[start / bs] * Hk + h) * bs * D;
-      if (start + bs < L)
-        prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
-      for (int g0 = 0; g0 < G; g0 += GB) {
-        const int gn = std::min(GB, G - g0);
-        vf av[GB][C];
-        for (int g = 0; g < gn; ++g)
-          for (int c = 0; c < C; ++c) av[g][c] = simd::load(out + (g0 + g) * D + c * W);
-        for (int64_t off = 0; off < n; ++off) {
-          const int64_t base = block_base + off * D, t = start + off;
-          for (int g = 0; g < gn; ++g) {
-            const vf p = simd::set1(scores[(g0 + g) * L + t]);
-            for (int c = 0; c < C; ++c) av[g][c] = simd::fmadd(p, loadv<DT>(v_cache, base + c * W), av[g][c]);
-          }
-        }
-        for (int g = 0; g < gn; ++g)
-          for (int c = 0; c < C; ++c) simd::store(out + (g0 + g) * D + c * W, av[g][c]);
-      }
-    }
+      for (int c = 0; c < cn; ++c) simd::store(out + g * D + (c0 + c) * W, av[g][c]);
   }
 }
 
@@ -393,7 +387,10 @@ static void attend_vec(float* qf, float scale, const void* k_cache, const void* 
   }
 #endif
   for (int64_t i = 0; i < G * C * W; ++i) qf[i] *= scale;
-  scores_vec<DT, G, C>(qf, k_cache, v_cache, table, L, h, Hk, bs, scores);
+  // as many independent FMA chains as the registers hold: G * TV accumulators + TV K vectors + the
+  // broadcast query value (16 registers on AVX2, 32 on AVX-512)
+  constexpr int TV = std::max(1, std::min(4, (W == 16 ? 24 : 15) / (G + 1)));
+  scores_vec<DT, G, C, TV>(qf, k_cache, v_cache, table, L, h, Hk, bs, scores);
   for (int g = 0; g < G; ++g) softmax_vec(scores + g * L, L);
   accumulate_vec<DT, G, C>(scores, v_cache, table, L, h, Hk, bs, acc);
 }
