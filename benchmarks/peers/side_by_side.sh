@@ -5,9 +5,11 @@
 #   DTYPE          both engines' dtype (default bfloat16); TIDAL_DTYPE / VLLM_DTYPE override it per engine
 #                  (e.g. on an AVX2 CPU: TIDAL_DTYPE=auto VLLM_DTYPE=float32, each engine's fastest there)
 #   TIDAL_PY       python of the environment where tidal is installed (default: .venv/bin/python)
-#   EMULATE_ISA    avx2: on an AVX-512 machine, restrict both engines' torch (oneDNN, MKL, ATen) to AVX2
-#                  and Tidal's kernels too (TIDAL_CPU_ISA=avx2). vLLM's own C++ kernels cannot be
-#                  restricted: they still use AVX-512, so the comparison favours vLLM.
+#   EMULATE_ISA    avx2: on an AVX-512 machine, run both engines as on an AVX2-only CPU: torch's oneDNN,
+#                  MKL and ATen kernels restricted to AVX2, Tidal's kernels built for AVX2
+#                  (TIDAL_CPU_ISA=avx2), and vLLM told that the CPU has no AVX-512 (emulate_avx2/
+#                  sitecustomize.py), so it loads its AVX2 kernels. Memory bandwidth and core count stay
+#                  the machine's own: figures differ from a real AVX2 CPU's.
 #   ENGINES        "vllm tidal" (default), or one of them
 # Run benchmarks/peers/setup_vllm_cpu.sh once first. Name the CPU (lscpu) beside every figure.
 set -euo pipefail
@@ -30,7 +32,9 @@ if [[ " $ENGINES " == *" vllm "* ]]; then
   tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
   [ -n "$tc" ] && preload="$tc"
   [ -f "$venv/lib/libiomp5.so" ] && preload="${preload:+$preload:}$venv/lib/libiomp5.so"
-  v=$(env "${isa_env[@]}" LD_PRELOAD="$preload" VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+  vllm_env=("${isa_env[@]}")
+  [ "${EMULATE_ISA:-}" = "avx2" ] && vllm_env+=(PYTHONPATH="$here/emulate_avx2${PYTHONPATH:+:$PYTHONPATH}")
+  v=$(env "${vllm_env[@]}" LD_PRELOAD="$preload" VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
         "$venv/bin/python" "$here/run_llm_api.py" --engine vllm --model "$model" --workload "$workload" \
         --dtype "${VLLM_DTYPE:-$dtype}" --prefix-caching "$pc" 2>/dev/null | sed -n "s/^RESULT //p" | tail -n 1)
   echo "$v"
