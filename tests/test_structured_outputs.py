@@ -200,3 +200,19 @@ def test_bitmask_masks_only_its_rows_and_padded_columns():
     for _ in range(20):
         out = sample(torch.randn(2, vocab), rows, torch.Generator().manual_seed(0), (words.repeat(2, 1), [0, 1]))
         assert set(out.token_ids) <= set(allowed)
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_constrained_outputs_equal_across_worker_processes(tiny_with_tokenizer, layout):
+    """The bitmask is made by the engine and travels with the batch to the rank that samples."""
+    pattern = r"[a-z]{2,6}( [a-z]{2,6}){2,4}\."
+    params = [SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex=pattern)) for i in range(4)]
+    prompts = [f"Words {i}:" for i in range(4)]
+    want = [o.outputs[0].text for o in tiny_llm(tiny_with_tokenizer).generate(prompts, params, use_tqdm=False)]
+    llm = tiny_llm(tiny_with_tokenizer, **layout)
+    try:
+        got = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == want and all(re.fullmatch(pattern, t) for t in got), got
