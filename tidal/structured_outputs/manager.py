@@ -116,7 +116,12 @@ class StructuredOutputManager:
         for i, state in enumerate(states):
             if state.failed:
                 continue
-            matcher = state.get_matcher()
+            try:
+                matcher = state.get_matcher()
+            except Exception:  # a compile error validation did not catch: never take the engine down
+                logger.exception("a grammar failed to compile; its request's output is not constrained")
+                state.failed = True
+                continue
             if not matcher.is_terminated():  # past its end (ignore_eos): unconstrained
                 matcher.fill_next_token_bitmask(mask, i)
         return mask
