@@ -125,6 +125,9 @@ def test_choice_and_regex_on_completions_and_chat(client):
     ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_choice"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_invalid_constraints_are_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -158,7 +158,7 @@ class ChatHandler:
                                              request.prompt_logprobs, structured)
         except ValueError as e:
             raise bad_request(e) from e
-        ctx.check_params(params, "tool_choice" if tools.constraint else request.structured_field())
+        ctx.check_params(params, "tools" if tools.constraint else request.structured_field())
         request_id = random_id("chatcmpl")
         ctx.log_request(request_id, text, ids, params)
         stream = merge_async_iterators(ctx.async_llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
