@@ -216,3 +216,32 @@ def test_constrained_outputs_equal_across_worker_processes(tiny_with_tokenizer, 
     finally:
         llm.llm_engine.shutdown()
     assert got == want and all(re.fullmatch(pattern, t) for t in got), got
+
+
+def test_compiling_grammar_does_not_hold_up_the_engine(tiny_with_tokenizer):
+    """A grammar compiles on its own thread: the engine keeps stepping other requests meanwhile."""
+    import threading
+
+    llm = tiny_llm(tiny_with_tokenizer)
+    engine = llm.llm_engine
+    release = threading.Event()
+    compile_real = engine.structured._compiler.compile
+
+    def held_compile(grammar):
+        assert release.wait(60), "never released"
+        return compile_real(grammar)
+
+    engine.structured._compiler.compile = held_compile
+    engine.add_request("constrained", {"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": "[a-z]{3,8}"}))
+    engine.add_request("free", {"prompt_token_ids": [8, 9]}, SamplingParams(temperature=0, max_tokens=5,
+                                                                              ignore_eos=True))
+    finished = {}
+    while "free" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "constrained" not in finished and engine.scheduler.waiting[0].request_id == "constrained"
+    release.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert re.fullmatch("[a-z]{3,8}", finished["constrained"].outputs[0].text)
+    assert_engine_idle(engine)
