@@ -146,7 +146,9 @@ def test_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path, m
 @pytest.mark.parametrize("kwargs,name", [({"max_num_seqs": 0}, "max_num_seqs"), ({"block_size": -1}, "block_size"),
                                          ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
                                          ({"dtype": "int3"}, "dtype"), ({"max_model_len": 10**6}, "max_model_len"),
-                                         ({"kv_cache_memory_bytes": 10}, "kv_cache_memory_bytes")])
+                                         ({"kv_cache_memory_bytes": 10}, "kv_cache_memory_bytes"),
+                                         ({"quantization": "int8"}, "quantization"),
+                                         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype")])
 def test_bad_engine_arguments(tiny_model_dir, kwargs, name):
     with pytest.raises(ValueError, match=name):
         tiny_llm(tiny_model_dir("llama"), **kwargs)

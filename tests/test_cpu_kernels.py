@@ -1,17 +1,23 @@
-"""The native CPU kernels against the torch code they replace."""
+"""The native CPU kernels against the torch code they replace, for every ISA level this CPU can run
+(on an AVX-512 machine the AVX2 and generic builds are checked too)."""
 import pytest
 import torch
 
 from tidal.layers import cpu_kernels
 from tidal.layers.attention.layer import decode_attention, kv_cache_shape, split_kv_cache
 from tidal.layers.rotary import RotaryEmbedding
+from tidal.native import isa_override, runnable_isas
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def _need_native():
-    assert cpu_kernels.native_lib() is not None, "the native CPU kernels failed to build"
+@pytest.fixture(autouse=True, params=runnable_isas())
+def isa(request):
+    """Every test runs once per ISA level: the kernels built for that level, whose build must succeed."""
+    with isa_override(request.param):
+        assert cpu_kernels.native_lib() is not None, f"the native CPU kernels failed to build for {request.param}"
+        assert cpu_kernels.gemm_lib() is not None, f"the native GEMM failed to build for {request.param}"
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -70,26 +76,82 @@ def test_paged_decode_matches_torch(dtype):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [576, 100])  # a multiple of 32 and a ragged tail
-def test_skinny_gemm_matches_fp32_product(rows, k):
+def test_skinny_gemm_matches_fp32_product(isa, rows, k):
     torch.manual_seed(0)
     x = torch.randn(rows, k).bfloat16()
     w = torch.randn(1027, k).bfloat16()  # not a multiple of the 4-row tile
     bias = torch.randn(1027).bfloat16()
     out = cpu_kernels.skinny_linear(x, w, bias)
-    if out is None:
-        pytest.skip("this CPU has no AVX-512 BF16")  # the caller then uses oneDNN
+    if isa == "generic":
+        assert out is None  # no vector path: the caller uses oneDNN
+        return
     reference = (x.float() @ w.float().t() + bias.float()).bfloat16()
     # same products, fp32 accumulation in another order: one bf16 rounding step apart (plus the
     # accumulation error, visible only where the sum cancels to near zero)
     torch.testing.assert_close(out.float(), reference.float(), atol=1e-3, rtol=2 ** -7)
 
 
-def test_silu_and_mul_matches_torch():
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 40, 130])
+@pytest.mark.parametrize("k", [576, 100])
+def test_bf16_weight_gemm_matches_fp32_product(rows, k):
     torch.manual_seed(0)
-    x = (torch.randn(37, 2 * 1000) * 4).bfloat16()  # d not a multiple of 16: the scalar tail runs too
+    x = torch.randn(rows, k)
+    w = torch.randn(1027, k).bfloat16()
+    bias = torch.randn(1027)
+    out = cpu_kernels.linear_f32_bf16w(x, w, bias)
+    reference = torch.nn.functional.linear(x.double(), w.double(), bias.double()).float()
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-5)
+    no_bias = cpu_kernels.linear_f32_bf16w(x, w, None)
+    torch.testing.assert_close(no_bias, reference - bias, atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_weight_gemm_rows_do_not_depend_on_the_batch():
+    """Each output is one fp32 dot product in a fixed order: a row computed alone (the skinny path),
+    in a few rows or in a large batch (the blocked path) is bitwise the same."""
+    torch.manual_seed(0)
+    x = torch.randn(70, 576)
+    w = torch.randn(960, 576).bfloat16()
+    bias = torch.randn(960)
+    full = cpu_kernels.linear_f32_bf16w(x, w, bias)
+    for rows in (slice(5, 6), slice(10, 13), slice(0, 8), slice(20, 36)):
+        assert torch.equal(cpu_kernels.linear_f32_bf16w(x[rows], w, bias), full[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(isa, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(37, 2 * 1000) * 4).to(dtype)  # d not a multiple of 16: the scalar tail runs too
     x[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-3, -1e-3, 20.0, -20.0])
     native = cpu_kernels.silu_and_mul(x)
+    if isa == "generic":
+        assert native is None  # torch's ops are as fast as scalar code
+        return
     reference = torch.nn.functional.silu(x[:, :1000]) * x[:, 1000:]
-    # exp differs from torch's by an ulp or two in fp32: at most one bf16 rounding step apart
-    torch.testing.assert_close(native.float(), reference.float(), atol=1e-6, rtol=2 ** -8)
-    assert (native == reference).float().mean() > 0.99
+    if dtype == torch.bfloat16:
+        # exp differs from torch's by an ulp or two in fp32: at most one bf16 rounding step apart
+        torch.testing.assert_close(native.float(), reference.float(), atol=1e-6, rtol=2 ** -8)
+        assert (native == reference).float().mean() > 0.99
+    else:
+        torch.testing.assert_close(native, reference, atol=1e-6, rtol=1e-5)
+
+
+def test_fp32_queries_over_a_bf16_cache(isa):
+    """Activations in fp32 with a bf16 KV cache: rows are rounded as they are written and widened
+    as they are read."""
+    torch.manual_seed(0)
+    nb, hk, hq, bs, d = 30, 3, 9, 16, 64
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=torch.bfloat16)
+    k_cache, v_cache = split_kv_cache(kv)
+    k, v = torch.randn(40, hk, d), torch.randn(40, hk, d)
+    slots = torch.randperm(nb * bs)[:40]
+    assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[slots // bs, :, :, slots % bs], k.bfloat16())
+    assert torch.equal(v_cache[slots // bs, :, slots % bs, :], v.bfloat16())
+    kv.normal_()
+    tables = torch.randperm(nb)[:30].view(3, 10)
+    seq_lens = torch.tensor([5, 160, 77])
+    q = torch.randn(3, hq, d)
+    native = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, seq_lens, d ** -0.5)
+    assert native.dtype == torch.float32
+    reference = decode_attention(q, k_cache.float(), v_cache.float(), tables, seq_lens, 160, d ** -0.5)
+    torch.testing.assert_close(native, reference, atol=1e-5, rtol=1e-5)

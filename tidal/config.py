@@ -22,7 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # always true in effect: nothing is compiled or captured as a graph
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -55,6 +55,13 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        # a flag does what it says or is refused: these have no implementation yet
+        if self.quantization is not None:
+            raise ValueError(f"quantization {self.quantization!r} is not supported yet: weights load unquantized "
+                             "(see dtype)")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: only 'auto' (the KV "
+                             "cache in the model's dtype; bf16 under fp32 activations with bf16 weights)")
         self.device = resolve_device(self.device)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "

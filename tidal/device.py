@@ -8,6 +8,9 @@ drain its queue before the forward starts; on CPU it is the tensor itself.
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -31,3 +34,19 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose host memory is committed only as it is written. On CPU it lives in an
+    anonymous mapping (zero pages from the kernel), so a KV cache sized for the worst case costs
+    nothing at start-up and only the pages requests use are ever touched; torch.zeros would write
+    every byte up front (seconds for a few GiB). Elsewhere: torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses for attention's scattered block reads
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive

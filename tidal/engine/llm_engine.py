@@ -41,7 +41,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.dtype = loaded.dtype if workers else next(loaded.model.parameters()).dtype
+        self.dtype = loaded.dtype  # activations and KV cache
         hf = loaded.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = self._max_model_len(hf)
@@ -51,7 +51,8 @@ class LLMEngine:
         if workers:  # same interface as a ModelRunner: execute / kv_bytes_per_token / allocate_kv_cache
             self.runner = self.executor = create_executor(config, self.eos_token_id)
         else:
-            self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id)
+            self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id,
+                                      kv_cache_dtype=loaded.weight_dtype)
             self.executor = UniProcExecutor(self.runner)
         budget = config.kv_cache_memory_bytes
         if budget is None:  # measured now that the weights are loaded (on CUDA, after a profiling forward)
@@ -69,6 +70,9 @@ class LLMEngine:
                                    self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints)
         if state_pool is not None:
             self._log_hybrid_plan(plan, state_pool)
+        if config.device == "cpu":
+            from tidal.layers import cpu_kernels
+            logger.info(cpu_kernels.describe())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                   [self.eos_token_id] if self.eos_token_id is not None else [])

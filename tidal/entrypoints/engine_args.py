@@ -33,12 +33,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _bool_flag(g, "enable-prefix-caching", True, "reuse the KV of repeated prompt prefixes")
     _bool_flag(g, "enable-chunked-prefill", True, "split long prompts across steps")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
-    g.add_argument("--enforce-eager", action="store_true", help="never compile the model")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never compile the model (Tidal always runs eagerly: no compilation or graph capture)")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None)
-    g.add_argument("--quantization", "-q", default=None, help="weight quantization method")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype")
+    g.add_argument("--quantization", "-q", default=None, help="weight quantization method (none supported yet: "
+                   "any value is refused)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (only 'auto': the model's dtype, bf16 "
+                   "under fp32 activations with bf16 weights)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: derived)")
     _bool_flag(g, "disable-log-stats", False, "do not log periodic engine stats")
     return parser

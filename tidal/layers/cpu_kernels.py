@@ -1,7 +1,11 @@
-"""Native CPU kernels, built by tidal/native.py, with thin wrappers that return None (or False) when
-the kernel cannot run so callers fall back to torch ops:
-    csrc/cpu_kernels.cpp   paged decode attention, fused residual + RMSNorm, rotary, KV-cache writes
-    csrc/skinny_gemm.cpp   bf16 matrix products of one to four rows (decode of a few requests)
+"""Native CPU kernels, built by tidal/native.py (one build per ISA level: AVX2, AVX-512, AVX-512 BF16),
+with thin wrappers that return None (or False) when the kernel cannot run so callers fall back to torch
+ops:
+    csrc/cpu_kernels.cpp   paged attention, fused residual + RMSNorm, rotary, KV-cache writes, silu-and-mul
+    csrc/gemm.cpp          products with bf16 weights: fp32 activations (any number of rows; the path
+                           of bf16 checkpoints on CPUs without native bf16), and bf16 activations of
+                           one to four rows (decode of a few requests)
+    csrc/simd.h            the fp32 vector operations both are written against (16 or 8 lanes)
 Tensors on another device (CUDA) always take the torch ops: the device is checked before the library
 is asked for, so a model on a GPU never builds it."""
 from __future__ import annotations
@@ -19,28 +23,45 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_attention_decode
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
     fn = lib.tidal_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn = lib.tidal_rope_neox
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    fn = lib.tidal_silu_and_mul_bf16
+    fn = lib.tidal_silu_and_mul
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.tidal_vector_lanes.restype = ctypes.c_int
     fn = lib.tidal_write_kv
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                   + [ctypes.c_int])
+                   + [ctypes.c_int] * 2)
 
 
 _LIB = NativeLibrary("cpu_kernels", os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp"),
-                     ["-O3", "-march=native", "-fopenmp", "-std=c++17"], ["-fopenmp"], _configure)
+                     ["-O3", "-fopenmp", "-std=c++17"], ["-fopenmp"], _configure)
 
 
 def native_lib() -> ctypes.CDLL | None:
+    """The kernels built for this CPU's ISA level (tidal.native.cpu_isa), or None."""
     return _LIB.get()
+
+
+def describe() -> str:
+    """One line for the start-up log: the ISA level and which kernels run natively."""
+    from tidal.native import cpu_isa
+    lib, gemm = native_lib(), _GEMM_LIB.get()
+    if lib is None:
+        return f"CPU ISA {cpu_isa()}: native kernels unavailable, torch ops only"
+    lanes = lib.tidal_vector_lanes()
+    parts = ["paged attention", "RMSNorm", "rotary", "KV writes"]
+    if lanes > 1:
+        parts.append("silu-and-mul")
+    if gemm is not None:
+        parts.append("bf16-weight GEMM" + (" (VDPBF16PS decode)" if cpu_isa() == "avx512_bf16" else ""))
+    return f"CPU ISA {cpu_isa()} ({lanes} fp32 lanes): native {', '.join(parts)}"
 
 
 def _lib_for(t: torch.Tensor) -> ctypes.CDLL | None:
@@ -48,14 +69,20 @@ def _lib_for(t: torch.Tensor) -> ctypes.CDLL | None:
     return native_lib() if t.device.type == "cpu" else None
 
 
+def _cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """The kernels read a cache of the activations' dtype, or a bf16 cache under fp32 activations."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.bfloat16)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            table_index: torch.Tensor | None = None) -> torch.Tensor | None:
     """q [B, Hq, D], each a query over its first seq_lens[b] cached K/V (layouts of layer.split_kv_cache),
-    through block_tables[table_index[b]] (block_tables[b] without an index).
-    Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
+    through block_tables[table_index[b]] (block_tables[b] without an index). The cache is of q's dtype,
+    or bf16 under fp32 queries. Returns None when the native kernel is unavailable or the inputs are not
+    on the CPU."""
     lib = _lib_for(q)
-    if lib is None or q.dtype not in _DTYPES or k_cache.dtype != q.dtype:
+    if lib is None or q.dtype not in _DTYPES or not _cache_dtype_ok(q.dtype, k_cache.dtype):
         return None
     q = q.contiguous()
     block_tables = block_tables.contiguous()
@@ -67,7 +94,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         None if index is None else index.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
-        _DTYPES[q.dtype], torch.get_num_threads())
+        _DTYPES[q.dtype], _DTYPES[k_cache.dtype], torch.get_num_threads())
     return out
 
 
@@ -92,27 +119,28 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store k/v [T, Hk, D] (rows may be strided) at their slots of k_cache [nb, Hk, D, bs] and
     v_cache [nb, Hk, bs, D]; False when the native kernel does not apply."""
     lib = _lib_for(k)
-    if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype
-            or k_cache.dtype != k.dtype or v_cache.dtype != k.dtype or slot_mapping.dtype != torch.int64):
+    if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype or not _cache_dtype_ok(k.dtype, k_cache.dtype)
+            or v_cache.dtype != k_cache.dtype or slot_mapping.dtype != torch.int64):
         return False
     for t in (k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
             return False
     T, Hk, D = k.shape
     lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.contiguous().data_ptr(),
-                       k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype])
+                       k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
+                       _DTYPES[k_cache.dtype])
     return True
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """silu(x[..., :d]) * x[..., d:] for a contiguous bf16 CPU tensor [T, 2d]; None where the
+    """silu(x[..., :d]) * x[..., d:] for a contiguous fp32 or bf16 CPU tensor [T, 2d]; None where the
     native kernel does not apply."""
     lib = _lib_for(x)
-    if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
         return None
     T, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(T, d, dtype=x.dtype)
-    if lib.tidal_silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), T, d, torch.get_num_threads()) != 0:
+    if lib.tidal_silu_and_mul(x.data_ptr(), out.data_ptr(), T, d, _DTYPES[x.dtype], torch.get_num_threads()) != 0:
         return None
     return out
 
@@ -141,18 +169,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_skinny_gemm_bf16.restype = ctypes.c_int
     lib.tidal_skinny_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.tidal_skinny_gemm_available.restype = ctypes.c_int
-    if not lib.tidal_skinny_gemm_available():
-        raise RuntimeError("this CPU has no AVX-512 BF16")
+    lib.tidal_linear_f32_bf16w.restype = None
+    lib.tidal_linear_f32_bf16w.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
-_GEMM_LIB = NativeLibrary("skinny_gemm", os.path.join(os.path.dirname(__file__), "csrc", "skinny_gemm.cpp"),
-                          ["-O3", "-march=native", "-fopenmp", "-std=c++17"], ["-fopenmp"], _configure_gemm)
+_GEMM_LIB = NativeLibrary("gemm", os.path.join(os.path.dirname(__file__), "csrc", "gemm.cpp"),
+                          ["-O3", "-fopenmp", "-std=c++17"], ["-fopenmp"], _configure_gemm)
+
+
+def gemm_lib() -> ctypes.CDLL | None:
+    return _GEMM_LIB.get()
 
 # Up to this many rows the native kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
 # GEMM. Measured on SmolLM2's shapes, 2 threads, summed over one layer's four products: 1.6x for one row,
 # 1.6x for two, 1.3x for three, 1.2x for four (at four rows the LM head alone is 10% slower).
 SKINNY_MAX_ROWS = 4
+
+
+def linear_f32_bf16w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] fp32 @ weight [N, K] bf16 ^T (+ fp32 bias) in fp32, on CPU: the weights widened in
+    registers. A row's result does not depend on the other rows. None when the kernel does not apply."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.float32)):
+        return None
+    lib = _GEMM_LIB.get()
+    if lib is None:
+        return None
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    weight = weight.contiguous()
+    M, K = x2.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, dtype=torch.float32)
+    lib.tidal_linear_f32_bf16w(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                               out.data_ptr(), M, N, K, torch.get_num_threads())
+    return out.view(*shape[:-1], N)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = rank * self.shard_size
         self.vocab_end = min(vocab_size, self.vocab_start + self.shard_size)
         self.tp_size = tp
+        self.dtype = dtype  # of the output; the table may be stored narrower (loader.narrow_embeddings)
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -32,10 +33,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.dtype)
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(in_shard, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        out = F.embedding(local, self.weight).to(self.dtype) * in_shard.unsqueeze(-1).to(self.dtype)
         return tensor_model_parallel_all_reduce(out)
 
 
@@ -48,7 +49,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def process_weights_after_loading(self) -> None:
-        self.packed_weight = pack_linear_weight(self.weight)
+        self.packed_weight = pack_linear_weight(self.weight) if self.weight.dtype == self.dtype else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] logits, gathered across ranks."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tidal.forward_context import in_decode_only_step
-from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, skinny_linear
+from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, linear_f32_bf16w, skinny_linear
 
 
 class UnquantizedLinearMethod:
@@ -36,6 +36,29 @@ class UnquantizedLinearMethod:
         return cpu_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)
 
 
+class Bf16WeightLinearMethod(UnquantizedLinearMethod):
+    """bf16 weights under fp32 activations (dtype "auto" on CPUs without native bf16 products): the
+    checkpoint's tensors are rounded to bf16 as they load, and the native GEMM widens them in registers,
+    so the product is the fp32 product of the bf16 weights with half the bytes of fp32 weights to read."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.bfloat16), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return bf16_weight_linear(x, layer.weight, bias)
+
+
+def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) in x's dtype for a weight stored in a narrower dtype."""
+    out = linear_f32_bf16w(x, weight, bias)
+    if out is None:  # no native kernel, or not on the CPU: widen the whole weight (slower, same values)
+        out = F.linear(x, weight.to(x.dtype), bias)
+    return out
+
+
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T (+ bias). Where a prepacked copy exists (bf16/fp16 on CPU), products of up to
@@ -43,7 +66,10 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
     kernel, which streams the plain weight once; everything else to oneDNN's prepacked GEMM, whose rows
     do not depend on how many there are. Prompt tokens therefore always take oneDNN: a prompt's last
     tokens computed after a prefix-cache hit (a few rows) round exactly as when the whole prompt runs,
-    so cached and uncached requests agree. Otherwise F.linear."""
+    so cached and uncached requests agree. Otherwise F.linear. A weight narrower than x (bf16 under fp32
+    activations) takes bf16_weight_linear."""
+    if weight.dtype != x.dtype:
+        return bf16_weight_linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     shape = x.shape

@@ -23,7 +23,7 @@ def _configure(lib: ctypes.CDLL) -> None:
 
 # -ffast-math lets exp vectorise (glibc's vector expf); NativeLibrary gives it to the compile step only.
 _LIB = NativeLibrary("selective_scan", os.path.join(os.path.dirname(__file__), "csrc", "selective_scan.cpp"),
-                     ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17"], ["-fopenmp"], _configure)
+                     ["-O3", "-fopenmp", "-ffast-math", "-std=c++17"], ["-fopenmp"], _configure)
 
 
 def _native_lib() -> ctypes.CDLL | None:

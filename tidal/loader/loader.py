@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.layers.embedding import VocabParallelEmbedding
+from tidal.layers.linear import Bf16WeightLinearMethod
 from tidal.loader import gguf_loader
 from tidal.models.registry import resolve_model_class
+from tidal.native import cpu_isa, has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class LoadedModel:
     path: str
     name: str
     weight_bytes: int
+    dtype: torch.dtype         # activations and KV cache
+    weight_dtype: torch.dtype  # linear layers and embeddings (bf16 under fp32 activations on CPUs without bf16)
 
 
 def load_config(path: str):
@@ -90,19 +95,56 @@ def iterate_safetensors(path: str, dtype: torch.dtype) -> Iterator[tuple[str, to
                 yield name, f.get_tensor(name).to(dtype)
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "half": torch.float16}
+
+
 def resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
+    """The dtype activations (and the KV cache) are computed in; see resolve_dtypes."""
+    return resolve_dtypes(dtype, config)[0]
+
+
+def resolve_dtypes(dtype: str | torch.dtype, config, device: str | torch.device = "cpu",
+                   checkpoint_fp32: bool | None = None) -> tuple[torch.dtype, torch.dtype]:
+    """(activation dtype, weight dtype of the linear layers and embeddings) for the dtype asked for.
+
+    "auto" keeps an fp32 checkpoint in fp32. Anything else (bf16, fp16, GGUF) runs in bf16 on a GPU
+    and on CPUs with native bf16 products (AVX-512 BF16); on other CPUs (AVX2) torch's bf16 GEMMs are
+    several times slower than fp32 ones, so activations are fp32 and the weights stay bf16, widened in
+    registers by the native GEMM: fp32 arithmetic, half the bytes to read per token. An explicit dtype
+    is used as given, for weights and activations alike."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "half": torch.float16}
-    if dtype == "auto":
-        # The checkpoint's own dtype, except fp16 (and unknown, e.g. GGUF) run in bf16: on CPU bf16
-        # is fast on modern x86 and does not overflow where fp16 would.
+        return dtype, dtype
+    if dtype != "auto":
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPE_NAMES)}; got {dtype!r}")
+        return _DTYPE_NAMES[dtype], _DTYPE_NAMES[dtype]
+    if checkpoint_fp32 is None:
         cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        return torch.float32 if cfg in (torch.float32, "float32") else torch.bfloat16
-    if dtype not in table:
-        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {dtype!r}")
-    return table[dtype]
+        checkpoint_fp32 = cfg in (torch.float32, "float32")
+    if checkpoint_fp32:
+        return torch.float32, torch.float32
+    if torch.device(device).type == "cpu" and not has_native_bf16():
+        return torch.float32, torch.bfloat16
+    return torch.bfloat16, torch.bfloat16
+
+
+def _log_dtype_choice(dtype, act: torch.dtype, weight: torch.dtype, device) -> None:
+    if torch.device(device).type != "cpu":
+        return
+    if dtype == "auto" and act != weight:
+        logger.info("dtype auto: this CPU has no native bf16 products (ISA %s): computing in float32 with "
+                    "bfloat16 weights, widened in registers", cpu_isa())
+    elif act == torch.bfloat16 and not has_native_bf16():
+        logger.warning("dtype bfloat16 on a CPU without native bf16 products (ISA %s) runs torch's slow bf16 "
+                       "GEMMs; dtype='auto' computes in float32 with bfloat16 weights", cpu_isa())
+
+
+def narrow_embeddings(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
+    """Store the embedding and LM-head tables in weight_dtype (a tied head shares the converted table)."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and module.weight.dtype != weight_dtype:
+            module.weight.data = module.weight.data.to(weight_dtype)
 
 
 def process_weights_after_loading(model: torch.nn.Module) -> None:
@@ -120,23 +162,28 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     """Build the model on `device` and copy the checkpoint's tensors into it as they are read (the
     checkpoint, and a GGUF file's one-time conversion, are read on the host)."""
     path = resolve_model_path(model)
-    if path.endswith(".gguf"):
+    is_gguf = path.endswith(".gguf")
+    if is_gguf:
         path = gguf_loader.cached_conversion(path)
-        if dtype == "auto":
-            dtype = "bfloat16"
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
-    torch_dtype = resolve_dtype(dtype, config)
+    torch_dtype, weight_dtype = resolve_dtypes(dtype, config, device, checkpoint_fp32=False if is_gguf else None)
+    _log_dtype_choice(dtype, torch_dtype, weight_dtype, device)
+    if quant_method is None and weight_dtype != torch_dtype:
+        quant_method = Bf16WeightLinearMethod()
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant_method) if quant_method else \
             model_cls(config, dtype=torch_dtype)
     weights = iterate_safetensors(path, torch_dtype)
     net.load_weights(weights)
     net.eval()
+    if weight_dtype != torch_dtype:
+        narrow_embeddings(net, weight_dtype)
     process_weights_after_loading(net)
     tokenizer = load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
-    logger.info("Loaded %s (%s) in %s on %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
-                torch.device(device), weight_bytes / 1e6)
-    return LoadedModel(net, config, tokenizer, path, name, weight_bytes)
+    weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"
+    logger.info("Loaded %s (%s) in %s%s on %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
+                weights_note, torch.device(device), weight_bytes / 1e6)
+    return LoadedModel(net, config, tokenizer, path, name, weight_bytes, torch_dtype, weight_dtype)

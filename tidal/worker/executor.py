@@ -73,17 +73,16 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
         DEFAULT_MODEL_NAME,
         load_config,
         load_tokenizer,
-        resolve_dtype,
+        resolve_dtypes,
         resolve_model_path,
     )
     from tidal.models.registry import resolve_model_class
     model, dtype = engine_config.model, engine_config.dtype
     tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
     path = resolve_model_path(model)
-    if path.endswith(".gguf"):  # as load_model: converted once here, so the workers only read the conversion
+    is_gguf = path.endswith(".gguf")
+    if is_gguf:  # as load_model: converted once here, so the workers only read the conversion
         path = gguf_loader.cached_conversion(path)
-        if dtype == "auto":
-            dtype = "bfloat16"
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuse an unsupported architecture before any worker starts
     if pp > 1 and not getattr(model_cls, "supports_pp", False):
@@ -93,7 +92,8 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     if heads:  # the heads must split by KV-head group (unevenly if need be): refuses sizes that cannot
         split_heads(heads, getattr(config, "num_key_value_heads", None) or heads, tp)
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
-    return ModelMeta(config, load_tokenizer(path), path, name, resolve_dtype(dtype, config))
+    act_dtype = resolve_dtypes(dtype, config, engine_config.device, checkpoint_fp32=False if is_gguf else None)[0]
+    return ModelMeta(config, load_tokenizer(path), path, name, act_dtype)
 
 
 def create_executor(config: EngineConfig, eos_token_id: int | None):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
-from tidal.device import to_device
+from tidal.device import lazy_zeros, to_device
 from tidal.forward_context import set_forward_context
 from tidal.layers import cpu_kernels
 from tidal.layers.attention import Attention, AttentionMetadata
@@ -41,9 +41,12 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, block_size: int, seed: int = 0,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.dtype = dtype
+        # the activations' dtype, or bf16 under fp32 activations with bf16 weights: half the memory per
+        # token, the same as a bf16 model's, rounded as the model's weights are
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.eos_token_id = eos_token_id
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -57,14 +60,14 @@ class ModelRunner:
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         for a in self.attn_layers:
-            a.kv_cache = torch.zeros(kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
-                                     dtype=self.dtype, device=self.device)
+            a.kv_cache = lazy_zeros(kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
+                                    self.kv_cache_dtype, self.device)
 
     # -- memory budget of the KV cache and the Mamba state ---------------------------------------
     def cache_budget_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,

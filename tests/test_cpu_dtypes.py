@@ -1,0 +1,91 @@
+"""dtype "auto" by CPU: on a CPU without native bf16 products (forced here with the AVX2 kernels) a
+bf16 checkpoint computes in fp32 with bf16 weights and a bf16 KV cache, and stays faithful to
+transformers run on the same (bf16-valued) weights in fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import TEST_KV_CACHE_BYTES, hf_model, random_prompts, save_tiny_model, tiny_config
+from tidal import LLM, SamplingParams
+from tidal.layers.linear import Bf16WeightLinearMethod
+from tidal.loader.loader import resolve_dtypes
+from tidal.native import isa_override, runnable_isas
+
+BF16_CONFIG = tiny_config("llama", tie_word_embeddings=True)
+BF16_CONFIG.dtype = "bfloat16"
+FP32_CONFIG = tiny_config("llama")
+FP32_CONFIG.dtype = "float32"
+
+
+def test_auto_on_a_cpu_without_bf16_is_fp32_compute_with_bf16_weights():
+    with isa_override("avx2"):
+        assert resolve_dtypes("auto", BF16_CONFIG) == (torch.float32, torch.bfloat16)
+        assert resolve_dtypes("auto", FP32_CONFIG) == (torch.float32, torch.float32)
+        assert resolve_dtypes("bfloat16", BF16_CONFIG) == (torch.bfloat16, torch.bfloat16)
+        assert resolve_dtypes("float32", BF16_CONFIG) == (torch.float32, torch.float32)
+        assert resolve_dtypes("auto", BF16_CONFIG, device="meta") == (torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.skipif("avx512_bf16" not in runnable_isas(), reason="needs a CPU with AVX-512 BF16")
+def test_auto_on_a_cpu_with_bf16_is_bf16():
+    with isa_override("avx512_bf16"):
+        assert resolve_dtypes("auto", BF16_CONFIG) == (torch.bfloat16, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """A tiny Llama saved in bf16, and transformers' model of it in fp32 (the same bf16 values)."""
+    import transformers
+    path = str(tmp_path_factory.mktemp("tiny-bf16"))
+    save_tiny_model(path, tiny_config("llama", tie_word_embeddings=True))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return path, hf_model(path)
+
+
+def _teacher_forced_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_bf16_checkpoint_on_avx2_matches_transformers(bf16_checkpoint):
+    path, hf = bf16_checkpoint
+    prompts = random_prompts(6, 20, 60, 512, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    with isa_override("avx2"):
+        llm = LLM(path, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8, max_num_batched_tokens=32)
+        engine = llm.llm_engine
+        assert engine.dtype == torch.float32
+        layer = engine.runner.model.model.layers[0]
+        assert isinstance(layer.mlp.down_proj.quant_method, Bf16WeightLinearMethod)
+        assert layer.mlp.down_proj.weight.dtype == torch.bfloat16
+        assert engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+        assert layer.self_attn.attn.kv_cache.dtype == torch.bfloat16
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        ref = _teacher_forced_logprobs(hf, prompt + tokens)
+        # prompt logprobs: fp32 arithmetic on the same weights; the bf16 KV cache rounds K and V
+        ours = [out.prompt_logprobs[i + 1][prompt[i + 1]].logprob for i in range(len(prompt) - 1)]
+        expected = [ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+        assert max(abs(a - b) for a, b in zip(ours, expected)) < 5e-3
+        for j, (tok, lp) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            row = ref[len(prompt) - 1 + j]
+            assert abs(lp[tok].logprob - row[tok].item()) < 5e-3
+            assert row[tok].item() >= row.max().item() - 1e-2  # greedy: transformers' best up to a near tie
+
+
+def test_fp32_compute_with_bf16_weights_is_batch_invariant(bf16_checkpoint):
+    """Every row of the bf16-weight GEMM, and every token of attention, is computed the same way
+    whatever shares the step: a request alone and in a batch with chunked prompts agree bitwise."""
+    path, _ = bf16_checkpoint
+    prompts = random_prompts(8, 20, 60, 512, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    with isa_override("avx2"):
+        llm = LLM(path, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8, max_num_batched_tokens=40,
+                  enable_prefix_caching=False)
+        alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0]
+        batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == batched.token_ids
+    assert alone.logprobs == batched.logprobs
