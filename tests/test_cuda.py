@@ -316,3 +316,22 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
     runner.model = model
     assert not caught, "\n".join(caught[:10])
     _free_gpu()
+
+
+@requires_cuda
+def test_grammar_bitmask_on_cuda_matches_cpu():
+    """Structured outputs: the sampler's bitmask (made on the host) masks CUDA logits as CPU ones."""
+    from tidal.layers.sampler import SamplingRow, apply_token_bitmask, sample
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=g)
+    on_gpu = logits.cuda()
+    apply_token_bitmask(logits, bitmask, [0, 2, 4])
+    apply_token_bitmask(on_gpu, bitmask, [0, 2, 4])
+    assert torch.equal(on_gpu.cpu(), logits)
+    rows = [SamplingRow(SamplingParams(temperature=t), None, None, 1, 0, []) for t in (0.0, 1.0, 1.0)]
+    out = sample(torch.randn(3, vocab, device="cuda"), rows, torch.Generator("cuda").manual_seed(0),
+                 (bitmask, [0, 1, 2]))
+    for i, tok in enumerate(out.token_ids):
+        assert (int(bitmask[i, tok // 32]) >> (tok % 32)) & 1

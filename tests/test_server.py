@@ -247,8 +247,11 @@ def test_malformed_json_is_400(server):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    # this server runs without --enable-auto-tool-choice
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"no_such_field": 1}, "no_such_field"),
 ])

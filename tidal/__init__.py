@@ -4,9 +4,11 @@ import logging as _logging
 from tidal.entrypoints.llm import LLM
 from tidal.outputs import CompletionOutput, Logprob, RequestOutput
 from tidal.sampling_params import SamplingParams
+from tidal.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "__version__"]
 
 _logger = _logging.getLogger("tidal")
 if not _logger.handlers:

@@ -45,6 +45,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.state_slot: int | None = None  # recurrent-state slot for Mamba layers
+        # structured outputs: an object with `.ready` (its grammar has compiled); the engine's
+        # StructuredOutputManager owns what is behind it
+        self.structured = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tidal.structured_outputs.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
+
 _GREEDY_EPS = 1e-5
 
 
@@ -39,6 +43,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: str = "final"  # "final" | "cumulative" | "delta" (the server streams deltas)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,10 +93,21 @@ class SamplingParams:
                self.stop_token_ids, "a list of non-negative token ids")
         _check(self.output_kind in ("final", "cumulative", "delta"), "output_kind", self.output_kind,
                "'final', 'cumulative' or 'delta'")
+        self._check_structured_outputs()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters cannot change the argmax; drop them so the sampler takes its fast path.
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_structured_outputs(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs is not self.guided_decoding:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

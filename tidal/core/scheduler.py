@@ -49,6 +49,10 @@ class SchedulerOutput:
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # since the previous step: runner drops state
+    # structured outputs (set by the engine after scheduling): an int32 tensor [k, ceil(vocab / 32)]
+    # of allowed-token bitmasks, row j for the sampling request grammar_request_ids[j]
+    grammar_bitmask: object = None
+    grammar_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -127,9 +131,14 @@ class Scheduler:
                 continue
             break
 
-        # 2. waiting requests, first come first served (not in a step that had to preempt)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
+        # 2. waiting requests, first come first served (not in a step that had to preempt); one whose
+        # grammar is still compiling stays in place while the requests behind it go ahead
+        skip = 0
+        while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[skip]
+            if request.structured is not None and not request.structured.ready:
+                skip += 1
+                continue
             if self.state_pool is not None and self.state_pool.num_free_slots == 0:
                 break
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
@@ -141,7 +150,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[skip]
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached

@@ -22,6 +22,7 @@ from tidal.loader import load_model
 from tidal.outputs import RequestOutput
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
+from tidal.structured_outputs.manager import StructuredOutputManager
 from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
 from tidal.worker.memory import plan_kv_cache, plan_state_slots
 from tidal.worker.model_runner import ModelRunner
@@ -73,6 +74,8 @@ class LLMEngine:
             from tidal.layers import cpu_kernels
             logger.info(cpu_kernels.describe())
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                  [self.eos_token_id] if self.eos_token_id is not None else [])
         self.stats = EngineStats()
         self._next_id = 0
         logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
@@ -176,6 +179,8 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.structured.validate(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
@@ -190,7 +195,10 @@ class LLMEngine:
         for i, cid in enumerate(child_ids):
             p = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)
-            self.scheduler.add_request(Request(cid, ids, p, self.eos_token_id, arrival_time, cache_salt))
+            request = Request(cid, ids, p, self.eos_token_id, arrival_time, cache_salt)
+            if p.structured_outputs is not None:
+                request.structured = self.structured.start(p.structured_outputs)
+            self.scheduler.add_request(request)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         outs = []
@@ -212,9 +220,27 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        if not batch.scheduled:  # nothing to run but requests whose grammars are compiling: wait for one
+            compiling = [r.structured for r in self.scheduler.waiting if r.structured is not None]
+            if compiling:
+                self.structured.wait_any(compiling)
+        self._add_grammar_bitmask(batch)
         result = self.runner.execute(batch)
         updated = self.scheduler.update(batch, result.sampled)
+        for request in updated:
+            if request.structured is not None:
+                self.structured.accept(request.request_id, request.structured, request.output_token_ids[-1])
         return self._process_outputs(batch, result, updated)
+
+    def _add_grammar_bitmask(self, batch) -> None:
+        ids, states = [], []
+        for sr in batch.scheduled:
+            structured = self.scheduler.requests[sr.request_id].structured
+            if sr.sample and structured is not None:
+                ids.append(sr.request_id)
+                states.append(structured)
+        if states:
+            batch.grammar_bitmask, batch.grammar_request_ids = self.structured.bitmask(states), ids
 
     def _process_outputs(self, batch, result, updated: list[Request]) -> list[RequestOutput]:
         op = self.output_processor
@@ -260,4 +286,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop worker processes (also done when the engine is garbage-collected or at exit)."""
+        self.structured.shutdown()
         self.executor.shutdown()

@@ -59,16 +59,16 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of {"role", "content"}) or a
-        list of conversations, and generate."""
+        list of conversations, and generate. `tools` (OpenAI's function definitions) go to the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **(chat_template_kwargs or {}))
+                                          chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids), "prompt": tok.decode(ids)})

@@ -1,6 +1,7 @@
 """Sampler: one batched path from logits to tokens for every request that samples this step.
 
-Order (as vLLM): raw log-probabilities are taken first (what `logprobs` reports), then penalties,
+Order (as vLLM): rows with a grammar (structured outputs) first lose the tokens their bitmask
+forbids, then raw log-probabilities are taken (what `logprobs` reports), then penalties,
 min_tokens masking, temperature, top-k, top-p, min-p, and the draw. A draw is argmax(p / q) with
 q ~ Exponential(1) (the Gumbel-max trick in disguise): rows of seeded requests fill q from their own
 torch.Generator, so a request's tokens never depend on what else shares the batch.
@@ -72,12 +73,32 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None
-           ) -> SamplerOutput:
+_BITS = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: logits[rows[j], t] = -inf where bit t of bitmask[j] (int32 words, little-endian bit
+    order within a word) is 0. Plain torch, so the same code runs on CPU and CUDA; the bitmask is
+    made on the host and copied once. Columns past the bitmask (padded vocabularies) are forbidden."""
+    device, vocab = logits.device, logits.shape[-1]
+    if device not in _BITS:
+        _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = to_device(bitmask, device)
+    allowed = ((words.unsqueeze(-1) >> _BITS[device]) & 1).bool().flatten(1)  # [k, words * 32]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    idx = to_device(torch.tensor(rows, dtype=torch.long), device)
+    logits[idx] = logits[idx].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: torch.Generator | None = None,
+           grammar: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
     """logits [num_rows, vocab] (fp32, on the model's device) -> one token per row. Generators must be
-    on the logits' device."""
+    on the logits' device. `grammar`: (int32 bitmask [k, ceil(vocab / 32)], the k rows it constrains)."""
     n = len(rows)
     device = logits.device
+    if grammar is not None:
+        apply_token_bitmask(logits, *grammar)
 
     def on_device(values: list, dtype: torch.dtype | None = None) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), device)

@@ -151,7 +151,8 @@ class ModelRunner:
         rows = [starts[i] + len(r.token_ids) - 1 for i, r in enumerate(reqs) if r.sample]
         if sample_reqs:
             logits = self.model.compute_logits(hidden[self._on_device(rows)]).float()
-            result = sample(logits, [self._sampling_row(r) for r in sample_reqs], self.default_generator)
+            result = sample(logits, [self._sampling_row(r) for r in sample_reqs], self.default_generator,
+                            self._grammar_rows(so, sample_reqs))
             for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
                 out.sampled[r.request_id] = tok
                 if lp is not None:
@@ -211,6 +212,18 @@ class ModelRunner:
             state_checkpoints=[(i, *r.state_checkpoint) for i, r in enumerate(reqs) if r.state_checkpoint] or None,
         )
         return meta, to_device(input_ids, dev), to_device(positions, dev)
+
+    @staticmethod
+    def _grammar_rows(so: SchedulerOutput, sample_reqs: list[ScheduledRequest]):
+        """(bitmask, logits rows it applies to) for the sampling requests with a grammar, or None."""
+        if so.grammar_bitmask is None:
+            return None
+        where = {rid: j for j, rid in enumerate(so.grammar_request_ids)}
+        pairs = [(i, where[r.request_id]) for i, r in enumerate(sample_reqs) if r.request_id in where]
+        if not pairs:
+            return None
+        rows, mask_rows = zip(*pairs)
+        return so.grammar_bitmask[list(mask_rows)], list(rows)
 
     def _on_device(self, values: list) -> torch.Tensor:
         """A list of ints (or bools) as a tensor on the device (int64 for ints, as torch.tensor makes it)."""

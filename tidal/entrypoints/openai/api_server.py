@@ -32,6 +32,7 @@ from tidal.entrypoints.openai.protocol import (
 from tidal.entrypoints.openai.serving_base import APIError, ServingContext, bad_request, error_body
 from tidal.entrypoints.openai.serving_chat import ChatHandler, render_chat
 from tidal.entrypoints.openai.serving_completion import CompletionHandler
+from tidal.entrypoints.openai.tool_calls import check_tools
 from tidal.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("tidal.entrypoints.openai")
@@ -79,8 +80,10 @@ async def _cancel_on_disconnect(request: Request, coro):
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               metrics: ServerMetrics | None = None, max_log_len: int | None = None,
-              log_requests: bool = True) -> FastAPI:
-    ctx = ServingContext(async_llm, served_model_name, max_log_len, log_requests)
+              log_requests: bool = True, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
+    ctx = ServingContext(async_llm, served_model_name, max_log_len, log_requests, chat_template,
+                         enable_auto_tool_choice, tool_call_parser)
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     app = FastAPI(title="Tidal OpenAI-compatible server", version=tidal.__version__)
     app.state.ctx = ctx
@@ -167,7 +170,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         try:
             if body.messages is not None:
                 _, ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt,
-                                     body.continue_final_message, None, body.chat_template_kwargs)
+                                     body.continue_final_message, ctx.chat_template, body.chat_template_kwargs,
+                                     check_tools(body.tools) if body.tools else None)
             else:
                 ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         except ValueError as e:

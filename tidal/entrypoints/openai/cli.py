@@ -5,7 +5,7 @@
 
 Every engine flag of the CLI is accepted (see `tidal serve --help`), plus the server's own:
 --host, --port, --api-key (or TIDAL_API_KEY), --max-log-len, --disable-log-requests,
---uvicorn-log-level.
+--uvicorn-log-level, --chat-template, --enable-auto-tool-choice, --tool-call-parser.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import logging
 import os
 
 from tidal.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tidal.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("tidal.entrypoints.openai")
 
@@ -33,6 +34,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between periodic stats log lines")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text when tool_choice is \"auto\"")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of uvicorn (access logs at info)")
@@ -53,6 +60,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"tidal serve: --max-log-len must be >= 0, got {args.max_log_len}")
     if args.stats_log_interval <= 0:
         raise SystemExit(f"tidal serve: --stats-log-interval must be > 0, got {args.stats_log_interval}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("tidal serve: --enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))})")
+    if args.chat_template is not None and os.path.isfile(args.chat_template):
+        with open(args.chat_template) as f:
+            args.chat_template = f.read()
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -73,7 +86,8 @@ def run_server(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(name, log_stats=not args.disable_log_stats, log_interval_s=args.stats_log_interval)
     async_llm = AsyncLLM(engine, step_hook=metrics)
     app = build_app(async_llm, name, api_key=args.api_key, metrics=metrics, max_log_len=args.max_log_len,
-                    log_requests=not args.disable_log_requests)
+                    log_requests=not args.disable_log_requests, chat_template=args.chat_template,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     plan = engine.kv_plan
     logger.info("Serving %s (model %s, %s) on http://%s:%d/v1 — max_model_len %d, KV cache %d tokens "
                 "(%d blocks of %d, %.1f MiB)%s", name, config.model or engine.model_name,

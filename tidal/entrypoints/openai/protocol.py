@@ -1,7 +1,7 @@
 """The OpenAI wire format (plus vLLM's extra sampling fields) as pydantic models.
 
 Requests refuse unknown fields (400 naming the field) and refuse known OpenAI features Tidal
-does not implement yet (tools, JSON response formats, logit_bias, ...) instead of silently
+does not implement yet (logit_bias, the deprecated `functions`, ...) instead of silently
 ignoring them. Responses are built as these models and serialised with `model_dump()`.
 """
 from __future__ import annotations
@@ -12,19 +12,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tidal.entrypoints.openai.protocol_structured import (  # noqa: F401 (re-exported)
+    ResponseFormat,
+    StructuredFields,
+    UnsupportedFieldError,
+)
 from tidal.sampling_params import SamplingParams
+from tidal.structured_outputs.params import StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class UnsupportedFieldError(ValueError):
-    """A known OpenAI field whose feature Tidal does not implement (answered with 400)."""
-
-    def __init__(self, param: str, why: str) -> None:
-        super().__init__(f"{param}: {why}")
-        self.param = param
 
 
 class _Request(BaseModel):
@@ -36,7 +34,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(StructuredFields, _Request):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
     model: str | None = None
     n: int = 1
@@ -63,7 +61,6 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
-
     def check_unsupported(self) -> None:
         if self.logit_bias:
             raise UnsupportedFieldError("logit_bias", "logit_bias is not supported by Tidal yet")
@@ -74,8 +71,8 @@ class _SamplingFields(_Request):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise UnsupportedFieldError("stream_options", "continuous_usage_stats is not supported by Tidal yet")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request; ValueError (naming the field) for a bad value."""
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                  "repetition_penalty": self.repetition_penalty}
@@ -87,7 +84,7 @@ class _SamplingFields(_Request):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, output_kind="delta", **opt)
+            prompt_logprobs=prompt_logprobs, output_kind="delta", structured_outputs=structured, **opt)
 
 
 class CompletionRequest(_SamplingFields):
@@ -112,11 +109,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. "name"; checked in the chat handler
     role: str
     content: str | list[dict[str, Any]] | None = None
-
-
-class ResponseFormat(_Request):
-    type: str
-    json_schema: dict | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -125,7 +119,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -140,16 +133,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools or self.functions:
-            field = "tools" if self.tools else "functions"
-            raise UnsupportedFieldError(field, "tool / function calling is not supported by Tidal yet")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            field = "tool_choice" if self.tool_choice not in (None, "none") else "function_call"
-            raise UnsupportedFieldError(field, "tool / function calling is not supported by Tidal yet")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedFieldError("response_format", f"response_format type "
-                                        f"{self.response_format.type!r} is not supported by Tidal yet "
-                                        "(only 'text')")
+        if self.functions or self.function_call not in (None, "none"):
+            field = "functions" if self.functions else "function_call"
+            raise UnsupportedFieldError(field, "the deprecated functions / function_call are not supported: "
+                                               "use tools and tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "top_logprobs requires logprobs to be true")
 
@@ -158,6 +145,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -215,9 +203,33 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -241,6 +253,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -55,7 +55,8 @@ class ServingContext:
     """The engine and the server settings every handler needs."""
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str, max_log_len: int | None = None,
-                 log_requests: bool = True) -> None:
+                 log_requests: bool = True, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None) -> None:
         self.async_llm = async_llm
         self.engine = async_llm.engine
         self.served_model_name = served_model_name
@@ -63,6 +64,19 @@ class ServingContext:
         self.tokenizer = self.engine.tokenizer
         self.max_log_len = max_log_len
         self.log_requests = log_requests
+        self.chat_template = chat_template  # overrides the model's (--chat-template)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
+
+    def check_params(self, params, constraint_field: str | None) -> None:
+        """The engine's checks of a request's SamplingParams (an invalid schema, regex or grammar is
+        a 400 naming the request field that carried it)."""
+        try:
+            self.engine.check_params(params)
+        except ValueError as e:
+            if getattr(e, "param", None) and constraint_field is not None:
+                raise APIError(400, f"{constraint_field}: {e}", constraint_field) from e
+            raise bad_request(e) from e
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

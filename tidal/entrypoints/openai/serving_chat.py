@@ -1,8 +1,10 @@
-"""POST /v1/chat/completions: messages through the model's chat template, then one engine request
-with n samples. Streams as chat.completion.chunk events: the role first, then content deltas,
-then the finish reason, then (with stream_options.include_usage) a usage chunk."""
+"""POST /v1/chat/completions: messages (and tools) through the model's chat template, then one engine
+request with n samples. Streams as chat.completion.chunk events: the role first, then content and
+tool-call deltas, then the finish reason, then (with stream_options.include_usage) a usage chunk.
+Tool calling: tidal/entrypoints/openai/tool_calls.py."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncGenerator
 
@@ -32,8 +34,28 @@ from tidal.entrypoints.openai.serving_base import (
     sse,
 )
 from tidal.entrypoints.openai.serving_completion import _prompt_logprobs_json
+from tidal.entrypoints.openai.tool_calls import ToolCallStream, ToolSetup, full_message, setup_tools
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _template_tool_calls(calls: list[dict], i: int) -> list[dict]:
+    """An assistant turn's tool calls for the template, arguments as objects (what tool templates
+    expect; a string that is not JSON stays a string)."""
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise UnsupportedFieldError(f"messages[{i}].tool_calls[{j}]", "must be {\"id\", \"type\": "
+                                        "\"function\", \"function\": {\"name\", \"arguments\"}}")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -59,6 +81,10 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
         msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
         if m.model_extra and "name" in m.model_extra:
             msg["name"] = m.model_extra["name"]
+        if m.tool_calls:
+            msg["tool_calls"] = _template_tool_calls(m.tool_calls, i)
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id
         conversation.append(msg)
     if not conversation:
         raise UnsupportedFieldError("messages", "messages must not be empty")
@@ -67,7 +93,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
-                chat_template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """The prompt text and token ids of a conversation under the model's chat template."""
     if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
         raise UnsupportedFieldError("messages", "this model has no chat template: use /v1/completions")
@@ -76,7 +102,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         add_generation_prompt = False
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message,
-                                         chat_template=chat_template, **(chat_template_kwargs or {}))
+                                         chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
     # The template already holds any BOS token: do not add special tokens again.
     return text, tokenizer.encode(text, add_special_tokens=False)
 
@@ -109,9 +135,11 @@ class ChatHandler:
         ctx.check_model(request.model)
         try:
             request.check_unsupported()
+            tools = setup_tools(request, ctx.enable_auto_tool_choice, ctx.tool_call_parser)
+            structured = tools.constraint or request.structured_outputs_params()
             text, ids = render_chat(ctx.tokenizer, request.messages, request.add_generation_prompt,
-                                    request.continue_final_message, request.chat_template,
-                                    request.chat_template_kwargs)
+                                    request.continue_final_message, request.chat_template or ctx.chat_template,
+                                    request.chat_template_kwargs, tools.tools)
             ctx.async_llm.process_prompt({"prompt": text, "prompt_token_ids": ids})
         except ValueError as e:
             raise bad_request(e, "messages") from e
@@ -127,18 +155,19 @@ class ChatHandler:
             raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top_n}", "top_logprobs")
         try:
             params = request.sampling_params(max_tokens, top_n if request.logprobs else None,
-                                             request.prompt_logprobs)
+                                             request.prompt_logprobs, structured)
         except ValueError as e:
             raise bad_request(e) from e
+        ctx.check_params(params, "tools" if tools.constraint else request.structured_field())
         request_id = random_id("chatcmpl")
         ctx.log_request(request_id, text, ids, params)
         stream = merge_async_iterators(ctx.async_llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
                                                               request_id, request.cache_salt))
         if request.stream:
-            return self._stream(request, request_id, text, len(ids), stream)
-        return await self._full(request, request_id, text, len(ids), stream)
+            return self._stream(request, request_id, tools, len(ids), stream)
+        return await self._full(request, request_id, tools, len(ids), stream)
 
-    async def _full(self, request, request_id: str, prompt_text: str, num_prompt: int, stream) -> dict:
+    async def _full(self, request, request_id: str, tools: ToolSetup, num_prompt: int, stream) -> dict:
         n = request.n
         texts = [request.messages[-1].content if request.echo and isinstance(request.messages[-1].content, str)
                  else "" for _ in range(n)]
@@ -159,15 +188,22 @@ class ChatHandler:
                         finish[o.index], stop_reasons[o.index] = o.finish_reason, o.stop_reason
         except (EngineDeadError, RuntimeError) as e:
             raise engine_error(e) from e
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]),
-                              logprobs=ChatLogprobs(content=contents[i]) if request.logprobs else None,
-                              finish_reason=finish[i], stop_reason=stop_reasons[i]) for i in range(n)]
+        choices = []
+        for i in range(n):
+            message = ChatResponseMessage(content=texts[i])
+            if tools.parser is not None:
+                message.content, message.tool_calls = full_message(tools.parser, texts[i])
+                if message.tool_calls and not tools.named and finish[i] == "stop":
+                    finish[i] = "tool_calls"
+            choices.append(ChatChoice(index=i, message=message,
+                                      logprobs=ChatLogprobs(content=contents[i]) if request.logprobs else None,
+                                      finish_reason=finish[i], stop_reason=stop_reasons[i]))
         return ChatCompletionResponse(id=request_id, model=self.ctx.served_model_name, choices=choices,
                                       usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
                                                       total_tokens=num_prompt + num_gen),
                                       prompt_logprobs=prompt_logprobs).model_dump()
 
-    async def _stream(self, request, request_id: str, prompt_text: str, num_prompt: int,
+    async def _stream(self, request, request_id: str, tools: ToolSetup, num_prompt: int,
                       stream) -> AsyncGenerator[str, None]:
         model = self.ctx.served_model_name
         created = int(time.time())
@@ -183,6 +219,8 @@ class ChatHandler:
         for i in range(request.n):
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=first))])
         num_gen = 0
+        texts = [""] * request.n
+        calls = [ToolCallStream(tools.parser) for _ in range(request.n)] if tools.parser is not None else None
         try:
             async for _, out in stream:
                 for o in out.outputs:
@@ -191,8 +229,15 @@ class ChatHandler:
                         if request.logprobs and o.logprobs is not None else None
                     if not o.text and not o.token_ids and o.finish_reason is None:
                         continue
-                    yield chunk([ChatStreamChoice(index=o.index, delta=DeltaMessage(content=o.text), logprobs=lp,
-                                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)])
+                    delta, finish = DeltaMessage(content=o.text), o.finish_reason
+                    if calls is not None:
+                        texts[o.index] += o.text
+                        content, deltas = calls[o.index].update(texts[o.index], o.finish_reason is not None)
+                        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+                        if calls[o.index].has_calls and not tools.named and finish == "stop":
+                            finish = "tool_calls"
+                    yield chunk([ChatStreamChoice(index=o.index, delta=delta, logprobs=lp,
+                                                  finish_reason=finish, stop_reason=o.stop_reason)])
         except (EngineDeadError, RuntimeError) as e:
             yield sse(engine_error(e).body())
         else:

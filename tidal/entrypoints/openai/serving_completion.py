@@ -71,6 +71,7 @@ class CompletionHandler:
         ctx.check_model(request.model)
         try:
             request.check_unsupported()
+            structured = request.structured_outputs_params()
         except ValueError as e:
             raise bad_request(e) from e
         prompts = []
@@ -87,9 +88,10 @@ class CompletionHandler:
                 params.append(request.sampling_params(
                     max_tokens, request.logprobs,
                     request.prompt_logprobs if request.prompt_logprobs is not None else
-                    (request.logprobs if request.echo and want_logprobs else None)))
+                    (request.logprobs if request.echo and want_logprobs else None), structured))
             except ValueError as e:
                 raise bad_request(e) from e
+            ctx.check_params(params[-1], request.structured_field())
         request_id = random_id("cmpl")
         streams = []
         for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
