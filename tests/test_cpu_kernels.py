@@ -155,3 +155,27 @@ def test_fp32_queries_over_a_bf16_cache(isa):
     assert native.dtype == torch.float32
     reference = decode_attention(q, k_cache.float(), v_cache.float(), tables, seq_lens, 160, d ** -0.5)
     torch.testing.assert_close(native, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])
+def test_prompt_chunk_tokens_attended_in_tiles_equal_each_token_alone(dtype, cache_dtype):
+    """The tokens of a prompt chunk (same table, lengths growing by one) are attended in tiles that
+    share each K/V read; every token's output is bitwise what it is when attended alone."""
+    torch.manual_seed(0)
+    nb, hk, hq, bs, d = 40, 3, 9, 16, 64
+    kv = torch.randn(kv_cache_shape(nb, bs, hk, d)).to(cache_dtype)
+    k_cache, v_cache = split_kv_cache(kv)
+    tables = torch.randperm(nb)[:30].view(3, 10)
+    # a decode, a chunk of 11 tokens (two full tiles and a partial one), a chunk of 2, another decode
+    index = torch.tensor([0] + [1] * 11 + [2] * 2 + [0])
+    lens = torch.tensor([70] + list(range(90, 101)) + [16, 17] + [33])
+    q = torch.randn(len(index), hq, d).to(dtype)
+    batched = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, index)
+    for i in range(len(index)):
+        alone = cpu_kernels.paged_attention_decode(q[i:i + 1], k_cache, v_cache, tables, lens[i:i + 1], d ** -0.5,
+                                                   index[i:i + 1])
+        assert torch.equal(alone, batched[i:i + 1]), i
+    reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables[index], lens, 100, d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(batched.float(), reference, atol=tol, rtol=tol)
