@@ -1,0 +1,85 @@
+"""Microbenchmarks of the native CPU kernels for each ISA level this CPU runs, on SmolLM2-135M's shapes:
+
+    .venv/bin/python benchmarks/cpu_kernels.py [--isa avx2 avx512_bf16 ...]
+
+- GEMM with bf16 weights and fp32 activations (the `dtype auto` path of CPUs without native bf16)
+  against torch's fp32 GEMM, for 1 to 256 rows, summed over one layer's four products and the LM head.
+- Paged attention: 64 decodes over 1,100 cached tokens each, and one 64-token prompt chunk over
+  1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16 and fp32 caches and
+  bf16 over bf16. GFLOP/s count 4 * heads * head_dim per query and cached token.
+Run with the machine otherwise idle; name the CPU (lscpu) beside the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tidal.layers import cpu_kernels
+from tidal.layers.attention.layer import kv_cache_shape, split_kv_cache
+from tidal.native import isa_override, runnable_isas
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate_up, down, lm_head
+
+
+def timed(fn, n: int = 20) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def gemm(isa: str) -> None:
+    for m in (1, 4, 8, 16, 64, 256):
+        native = reference = 0.0
+        for n, k in SHAPES:
+            x, w = torch.randn(m, k), torch.randn(n, k).bfloat16()
+            wf = w.float()
+            native += timed(lambda: cpu_kernels.linear_f32_bf16w(x, w, None))
+            reference += timed(lambda: F.linear(x, wf))
+        flops = 2 * m * sum(n * k for n, k in SHAPES)
+        print(f"{isa:12s} gemm rows {m:4d}: {native * 1e3:8.3f} ms ({flops / native / 1e9:6.1f} GFLOP/s), "
+              f"torch fp32 {reference * 1e3:8.3f} ms: {reference / native:5.2f}x")
+
+
+def attention(isa: str) -> None:
+    nb, hk, hq, bs, d, ctx, n = 600, 3, 9, 16, 64, 1100, 64
+    for qdt, kdt in ((torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+                     (torch.bfloat16, torch.bfloat16)):
+        if isa != "avx512_bf16" and qdt == torch.bfloat16:
+            continue  # bf16 activations are not what dtype auto picks there
+        kv = torch.randn(kv_cache_shape(nb, bs, hk, d)).to(kdt)
+        k_cache, v_cache = split_kv_cache(kv)
+        q = torch.randn(n, hq, d).to(qdt)
+        decode_tables = torch.stack([torch.randperm(nb)[:70] for _ in range(n)])
+        chunk_table = torch.randperm(nb)[:70].view(1, 70)
+        chunk_lens = torch.arange(ctx - n + 1, ctx + 1)
+        cases = {
+            "decodes": (decode_tables, torch.full((n,), ctx), None),
+            "chunk tiled": (chunk_table, chunk_lens, torch.zeros(n, dtype=torch.long)),
+            "chunk per token": (chunk_table.expand(n, 70).contiguous(), chunk_lens, None),
+        }
+        for name, (tables, lens, index) in cases.items():
+            dt = timed(lambda: cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5,
+                                                                  index))
+            flops = 4 * hq * d * int(lens.sum())
+            print(f"{isa:12s} attention {str(qdt)[6:]:8s} over {str(kdt)[6:]:8s} cache, {name:15s}: "
+                  f"{dt * 1e3:7.2f} ms ({flops / dt / 1e9:6.1f} GFLOP/s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--isa", nargs="*", default=[i for i in runnable_isas() if i != "generic"])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    for isa in args.isa:
+        with isa_override(isa):
+            gemm(isa)
+            attention(isa)
+
+
+if __name__ == "__main__":
+    main()
