@@ -99,11 +99,6 @@ _DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": to
                 "float16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
-    """The dtype activations (and the KV cache) are computed in; see resolve_dtypes."""
-    return resolve_dtypes(dtype, config)[0]
-
-
 def resolve_dtypes(dtype: str | torch.dtype, config, device: str | torch.device = "cpu",
                    checkpoint_fp32: bool | None = None) -> tuple[torch.dtype, torch.dtype]:
     """(activation dtype, weight dtype of the linear layers and embeddings) for the dtype asked for.
