@@ -123,6 +123,7 @@ def test_choice_and_regex_on_completions_and_chat(client):
     ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
     ({"extra_body": {"guided_grammar": "root ::= nothing_here"}}, "guided_grammar"),
     ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_choice"),
+    ({"extra_body": {"guided_regex": "a", "guided_whitespace_pattern": "[ ]?"}}, "guided_whitespace_pattern"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],

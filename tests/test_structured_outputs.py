@@ -50,6 +50,8 @@ def test_params_take_exactly_one_constraint_and_name_the_field():
         StructuredOutputsParams(json="{not json")
     with pytest.raises(ValueError, match="structured_outputs has unknown field"):
         SamplingParams(structured_outputs={"regex": "a", "colour": 1})
+    with pytest.raises(ValueError, match="structured_outputs.whitespace_pattern"):
+        StructuredOutputsParams(regex="a", whitespace_pattern=r"[ ]?")
     # vLLM's older spelling and a plain dict land on the same field
     assert SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+")).structured_outputs.regex == "a+"
     assert SamplingParams(structured_outputs={"choice": ["x"]}).structured_outputs.choice == ["x"]

@@ -28,7 +28,7 @@ class StructuredOutputsParams:
     # vLLM's options. Tidal defaults to compact JSON (no free whitespace): small models otherwise
     # tend to emit newlines until max_tokens. `disable_any_whitespace=False` allows it again.
     disable_any_whitespace: bool = True
-    disable_fallback: bool = False
+    disable_fallback: bool = False  # true in effect: there is one backend, nothing to fall back to
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     backend: str | None = None
@@ -61,6 +61,9 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF string, got {self.grammar!r}")
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        if self.whitespace_pattern is not None:  # accepted by vLLM; a flag does what it says or is refused
+            raise ValueError("structured_outputs.whitespace_pattern is not supported (whitespace is either free or "
+                             "none: see disable_any_whitespace)")
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"structured_outputs.backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.backend!r}")

@@ -51,6 +51,9 @@ class StructuredFields(BaseModel):
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint of this request; ValueError naming the request field if malformed."""
+        if self.guided_whitespace_pattern is not None:
+            raise UnsupportedFieldError("guided_whitespace_pattern", "is not supported (whitespace is either free "
+                                        "or none: structured_outputs.disable_any_whitespace)")
         name = self.structured_field()
         if name is None:
             return None
