@@ -1,0 +1,91 @@
+"""Host time per engine step: everything but the model's forward (and LM head).
+
+    python benchmarks/host_overhead.py [--workload offline|single|shared_prefix] [--model DIR]
+        [--dtype float32] [--tensor-parallel-size 2] [--pipeline-parallel-size 2]
+
+Runs one workload of benchmarks/peers/workload.py (greedy, ignore_eos) through `LLMEngine.step` and
+times each step end to end; in one process the model's `forward` and `compute_logits` are timed too
+(the time inside them is the model's, the rest is the host's: scheduling, building inputs, sampling,
+detokenizing, outputs), and the process's resident memory at the end is reported. Under tensor/pipeline parallelism only whole steps are timed (the forward
+runs in the workers). Prints one JSON line starting with "RESULT ".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import workload  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="offline", choices=sorted(workload.WORKLOADS))
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    args = ap.parse_args()
+
+    from tidal import LLM, SamplingParams
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+    engine = llm.llm_engine
+    model = getattr(getattr(engine, "runner", None), "model", None)
+    in_model = [0.0]
+    if model is not None and args.tensor_parallel_size * args.pipeline_parallel_size == 1:
+        for name in ("forward", "compute_logits"):
+            inner = getattr(model, name)
+
+            def timed(*a, _inner=inner, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _inner(*a, **kw)
+                finally:
+                    in_model[0] += time.perf_counter() - t0
+            setattr(model, name, timed)
+
+    def run(reqs) -> dict:
+        for i, r in enumerate(reqs):
+            engine.add_request(f"r{time.monotonic_ns()}-{i}", {"prompt_token_ids": r["prompt_token_ids"]},
+                               SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+        in_model[0], steps, generated = 0.0, 0, 0
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    generated += len(out.outputs[0].token_ids)
+            steps += 1
+        wall = time.perf_counter() - t0
+        res = {"steps": steps, "wall_s": round(wall, 3), "gen_tok_s": round(generated / wall, 1),
+               "step_ms": round(1e3 * wall / steps, 3)}
+        if model is not None and in_model[0]:
+            res["model_ms_per_step"] = round(1e3 * in_model[0] / steps, 3)
+            res["host_ms_per_step"] = round(1e3 * (wall - in_model[0]) / steps, 3)
+            res["host_share"] = round((wall - in_model[0]) / wall, 4)
+        return res
+
+    warm_kw = {"offline": dict(n=16), "shared_prefix": dict(n=8), "single": {}}[args.workload]
+    run(workload.WORKLOADS[args.workload](seed=1000, **warm_kw))
+    engine.reset_prefix_cache() if hasattr(engine, "reset_prefix_cache") else None
+    res = run(workload.WORKLOADS[args.workload]())
+    res["rss_mb"] = round(resident_bytes() / 2**20, 1)  # this process's (the engine's, and the model's in one process)
+    print("RESULT " + json.dumps({"workload": args.workload, "dtype": args.dtype,
+                                  "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, **res}),
+          flush=True)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+if __name__ == "__main__":
+    main()
