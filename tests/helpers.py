@@ -123,3 +123,28 @@ def running_server(serve_args: list[str], log_path, startup_timeout: float):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class WorkerMirror:
+    """What a worker holds of each request, rebuilt from the scheduler's deltas alone (as
+    tidal/worker/input_batch.py does): checks that the deltas carry everything a step needs."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+
+    def apply(self, so) -> None:
+        for rid in (*so.finished_ids, *so.preempted_ids):
+            self.tokens.pop(rid, None)
+            self.blocks.pop(rid, None)
+        for sr in so.scheduled:
+            if sr.new is not None:
+                self.tokens[sr.request_id], self.blocks[sr.request_id] = [], []
+            assert sr.request_id in self.tokens, f"{sr.request_id} scheduled as running but never sent whole"
+            self.tokens[sr.request_id] += sr.new_token_ids
+            self.blocks[sr.request_id] += sr.new_block_ids
+
+    def step_tokens(self, sr) -> list[int]:
+        """The tokens whose KV sr computes (known tokens, then drafts)."""
+        known = self.tokens[sr.request_id][sr.start_pos:]
+        return (known + sr.spec_token_ids)[:sr.num_tokens]

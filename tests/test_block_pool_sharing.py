@@ -19,6 +19,7 @@ from tidal.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from tidal.core.scheduler import Scheduler
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
+from tests.helpers import WorkerMirror
 
 BS = 4
 
@@ -143,6 +144,7 @@ def run_workload(specs, num_blocks, budget, max_num_seqs, sample_tokens):
     salts: dict[str, str | None] = {}
     expected_queries = expected_hits = 0
     admitted_hits: dict[str, list[int]] = {}
+    mirror = WorkerMirror()  # the block tables as the workers hold them, from the deltas alone
     for step in range(400):
         for i, s in enumerate(specs):
             if s["arrive_at"] == step:
@@ -156,6 +158,7 @@ def run_workload(specs, num_blocks, budget, max_num_seqs, sample_tokens):
             break
         running_before = {r.request_id for r in sched.running}
         out = sched.schedule()
+        mirror.apply(out)
         # execute: every scheduled request writes its tokens' KV ...
         for sr in out.scheduled:
             req = sched.requests[sr.request_id]
@@ -168,18 +171,18 @@ def run_workload(specs, num_blocks, budget, max_num_seqs, sample_tokens):
                     expected_queries += req.num_tokens
                     expected_hits += sr.start_pos
                 admitted_hits.setdefault(sr.request_id, []).append(sr.start_pos)
-            for p in range(sr.start_pos, sr.start_pos + len(sr.token_ids)):
-                slot = sr.block_ids[p // BS] * BS + p % BS
+            for p in range(sr.start_pos, sr.start_pos + sr.num_tokens):
+                slot = mirror.blocks[sr.request_id][p // BS] * BS + p % BS
                 kv_slots[slot] = (salts[sr.request_id], tuple(req.all_token_ids[:p + 1]))
         # ... before any is read: each request's whole context must be its own tokens' KV
         for sr in out.scheduled:
             req = sched.requests[sr.request_id]
-            for p in range(sr.start_pos + len(sr.token_ids)):
-                slot = sr.block_ids[p // BS] * BS + p % BS
+            for p in range(sr.start_pos + sr.num_tokens):
+                slot = mirror.blocks[sr.request_id][p // BS] * BS + p % BS
                 assert kv_slots.get(slot) == (salts[sr.request_id], tuple(req.all_token_ids[:p + 1])), \
                     f"{sr.request_id} reads wrong KV at position {p}"
         check_sharing(sched, kv, salts)
-        sampled = {sr.request_id: sample_tokens[(step + len(sr.token_ids)) % len(sample_tokens)]
+        sampled = {sr.request_id: [sample_tokens[(step + sr.num_tokens) % len(sample_tokens)]]
                    for sr in out.scheduled if sr.sample}
         sched.update(out, sampled)
         check_sharing(sched, kv, salts)
@@ -335,7 +338,7 @@ def test_lookup_is_counted_once_per_admission():
         out = sched.schedule()
         for sr in out.scheduled:
             admitted_at.setdefault(sr.request_id, (step, sr.start_pos))
-        sched.update(out, {sr.request_id: 1 for sr in out.scheduled if sr.sample})
+        sched.update(out, {sr.request_id: [1] for sr in out.scheduled if sr.sample})
     assert not sched.has_unfinished_requests()
     assert admitted_at == {"a": (0, 0), "b": (3, 8)}  # b waited three steps for a's blocks
     assert (kv.prefix_queries, kv.prefix_hits) == (12 + 15, 8)

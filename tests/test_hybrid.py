@@ -79,7 +79,7 @@ def case(request, tmp_path_factory):
     execute = runner.execute
 
     def recording_execute(so):
-        batches.append([len(r.token_ids) for r in so.scheduled])
+        batches.append([r.num_tokens for r in so.scheduled])
         return execute(so)
     runner.execute = recording_execute
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)

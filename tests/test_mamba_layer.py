@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import tidal.layers.mamba as mamba_mod
-from tidal.forward_context import set_forward_context
+from tidal.forward_context import ForwardContext, set_forward_context
 from tidal.layers import mamba_native
-from tidal.layers.attention import AttentionMetadata
 from tidal.layers.mamba import MambaMixer, selective_scan
 
 H, D_INNER, N, K, RANK = 16, 32, 4, 4, 4
@@ -60,17 +59,15 @@ def _mixer(jamba_norms: bool = True) -> MambaMixer:
     return m
 
 
-def _meta(lens: list[int], slots: list[int], fresh: list[bool]) -> AttentionMetadata:
+def _meta(lens: list[int], slots: list[int], fresh: list[bool]) -> ForwardContext:
     """Batch layout for the Mamba layer only (decodes, i.e. 1-token requests, first)."""
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
-    return AttentionMetadata(num_tokens=qsl[-1], slot_mapping=torch.zeros(qsl[-1], dtype=torch.long), block_size=4,
-                             num_decodes=sum(1 for n in lens if n == 1), num_paged_tokens=0,
-                             paged_block_tables=None, paged_table_index=None, paged_seq_lens=None,
-                             paged_max_seq_len=0, prefills=[],
-                             query_start_loc=qsl,
-                             state_slots=torch.tensor(slots), has_initial_state=torch.tensor([not f for f in fresh]))
+    nd = sum(1 for n in lens if n == 1)
+    return ForwardContext(num_tokens=qsl[-1], num_decodes=nd, query_start_loc=qsl,
+                          state_slots=torch.tensor(slots), has_initial_state=torch.tensor([not f for f in fresh]),
+                          fresh_decodes=any(fresh[:nd]))
 
 
 def test_mixer_matches_transformers_jamba_mixer():

@@ -44,7 +44,7 @@ def run(request, tiny_model_dir):
 
     def spy():
         out = original_schedule()
-        batches.append([(sr.request_id, sr.start_pos, len(sr.token_ids), sr.num_prompt_tokens)
+        batches.append([(sr.request_id, sr.start_pos, sr.num_tokens, sr.num_prompt_tokens)
                         for sr in out.scheduled])
         return out
 

@@ -19,7 +19,7 @@ import torch
 
 from tests.helpers import random_prompts, save_tiny_model, tiny_config
 from tidal import LLM, SamplingParams
-from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
+from tidal.core.scheduler import ScheduledRequest
 from tidal.distributed import get_pp_indices
 from tidal.layers.linear import HeadShard, split_heads
 from tidal.worker.executor import WorkerError
@@ -129,14 +129,12 @@ def test_pp_layer_ranges_cover_every_layer_once():
 
 def test_split_batch_keeps_order_and_balances_tokens():
     def req(i, n):
-        return ScheduledRequest(str(i), [1] * n, 0, [0], True, n, PARAMS)
-    so = SchedulerOutput([req(i, n) for i, n in enumerate([1, 1, 30, 1, 20, 8])], 61, finished_ids=["x"])
-    parts = split_batch(so, 2)
-    assert [r.request_id for p in parts for r in p.scheduled] == [str(i) for i in range(6)]
-    assert [p.num_batched_tokens for p in parts] == [32, 29]
-    assert parts[0].finished_ids == ["x"] and parts[1].finished_ids == []
-    assert [len(p.scheduled) for p in split_batch(SchedulerOutput([req(0, 100), req(1, 1)], 101), 4)] == [1, 1]
-    assert len(split_batch(SchedulerOutput([req(0, 5)], 5), 2)) == 1
+        return ScheduledRequest(str(i), n, 0, True)
+    parts = split_batch([req(i, n) for i, n in enumerate([1, 1, 30, 1, 20, 8])], 2)
+    assert [r.request_id for p in parts for r in p] == [str(i) for i in range(6)]
+    assert [sum(r.num_tokens for r in p) for p in parts] == [32, 29]
+    assert [len(p) for p in split_batch([req(0, 100), req(1, 1)], 4)] == [1, 1]
+    assert len(split_batch([req(0, 5)], 2)) == 1
 
 
 def test_heads_split_by_kv_head_group_evenly_unevenly_or_replicated():

@@ -13,6 +13,7 @@ from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
+from tests.helpers import WorkerMirror
 
 EOS = 0
 
@@ -35,6 +36,7 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
     bs = kv.block_size
     admission_order: list[str] = []
     all_requests: list[Request] = []
+    mirror = WorkerMirror()
     step = 0
     while step < max_steps:
         for req in arrivals.get(step, []):
@@ -46,8 +48,9 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
         if not scheduler.has_unfinished_requests() and step > max(arrivals, default=0):
             break
         batch = scheduler.schedule()
+        mirror.apply(batch)
         # -- per-step properties --
-        assert batch.num_batched_tokens == sum(len(sr.token_ids) for sr in batch.scheduled)
+        assert batch.num_batched_tokens == sum(sr.num_tokens for sr in batch.scheduled)
         assert batch.num_batched_tokens <= scheduler.max_num_batched_tokens
         assert len(batch.scheduled) <= scheduler.max_num_seqs
         assert scheduler.num_running <= scheduler.max_num_seqs
@@ -55,10 +58,12 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
         for sr in batch.scheduled:
             req = scheduler.requests[sr.request_id]
             assert req.status == RequestStatus.RUNNING
-            assert len(sr.token_ids) >= 1
-            assert sr.token_ids == req.all_token_ids[sr.start_pos:sr.start_pos + len(sr.token_ids)]
-            end = sr.start_pos + len(sr.token_ids)
-            assert len(sr.block_ids) == -(-end // bs), "a request holds exactly the blocks its tokens need"
+            assert sr.num_tokens >= 1
+            assert mirror.step_tokens(sr) == req.all_token_ids[sr.start_pos:sr.start_pos + sr.num_tokens]
+            assert mirror.tokens[sr.request_id] == req.all_token_ids, "the workers' copy is whole"
+            end = sr.start_pos + sr.num_tokens
+            assert mirror.blocks[sr.request_id] == kv.get_block_ids(sr.request_id)
+            assert len(mirror.blocks[sr.request_id]) == -(-end // bs), "a request holds exactly the blocks its tokens need"
             assert sr.sample == (end == req.num_tokens)
             if sr.request_id not in admission_order:
                 admission_order.append(sr.request_id)
@@ -66,7 +71,7 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
         for b in set(in_tables):
             assert kv.pool.blocks[b].ref_cnt == in_tables.count(b)
         kv.pool.check_invariants()
-        sampled = {sr.request_id: fake_token(sr.request_id, sr.start_pos + len(sr.token_ids))
+        sampled = {sr.request_id: [fake_token(sr.request_id, sr.start_pos + sr.num_tokens)]
                    for sr in batch.scheduled if sr.sample}
         scheduler.update(batch, sampled)
         step += 1
@@ -124,17 +129,17 @@ def test_long_prompt_is_chunked_while_decodes_keep_running():
     short = make_request(0, [1, 2, 3], max_tokens=20)
     scheduler.add_request(short)
     batch = scheduler.schedule()
-    scheduler.update(batch, {"r0": 5})
+    scheduler.update(batch, {"r0": [5]})
     long = make_request(1, list(range(1, 41)), max_tokens=2)
     scheduler.add_request(long)
     chunks = []
     while long.num_computed_tokens < long.num_prompt_tokens:
         batch = scheduler.schedule()
         by_id = {sr.request_id: sr for sr in batch.scheduled}
-        assert len(by_id["r0"].token_ids) == 1, "the decode runs in every step"
-        chunks.append(len(by_id["r1"].token_ids))
+        assert by_id["r0"].num_tokens == 1, "the decode runs in every step"
+        chunks.append(by_id["r1"].num_tokens)
         assert batch.num_batched_tokens <= 8
-        scheduler.update(batch, {sr.request_id: 5 for sr in batch.scheduled if sr.sample})
+        scheduler.update(batch, {sr.request_id: [5] for sr in batch.scheduled if sr.sample})
     assert chunks == [7] * 5 + [5]
     assert sum(chunks) == 40
 
@@ -151,7 +156,7 @@ def test_max_num_seqs_caps_running_and_admits_in_order():
         for sr in batch.scheduled:
             if sr.request_id not in order:
                 order.append(sr.request_id)
-        scheduler.update(batch, {sr.request_id: 7 for sr in batch.scheduled if sr.sample})
+        scheduler.update(batch, {sr.request_id: [7] for sr in batch.scheduled if sr.sample})
     assert order == ["r0", "r1", "r2", "r3", "r4"]
     assert kv.pool.num_free_blocks == 64
 
@@ -165,7 +170,7 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
         scheduler.add_request(r)
     batch = scheduler.schedule()  # all three prefills: 2 blocks each, pool exhausted
     assert [sr.request_id for sr in batch.scheduled] == ["r0", "r1", "r2"]
-    scheduler.update(batch, {sr.request_id: 5 for sr in batch.scheduled})
+    scheduler.update(batch, {sr.request_id: [5] for sr in batch.scheduled})
     batch = scheduler.schedule()  # r0 needs a third block: r2 (newest) is preempted
     assert batch.preempted_ids == ["r2"]
     assert scheduler.waiting[0] is reqs[2] and reqs[2].status == RequestStatus.PREEMPTED
@@ -183,7 +188,7 @@ def test_eos_and_stop_token_ids_finish_after_min_tokens():
         scheduler.add_request(r)
     while scheduler.has_unfinished_requests():
         batch = scheduler.schedule()
-        scheduler.update(batch, {sr.request_id: {"r0": EOS, "r1": 9, "r2": EOS}[sr.request_id]
+        scheduler.update(batch, {sr.request_id: [{"r0": EOS, "r1": 9, "r2": EOS}[sr.request_id]]
                                  for sr in batch.scheduled if sr.sample})
     assert eos.status == RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [EOS]
     assert stop.status == RequestStatus.FINISHED_STOPPED and stop.output_token_ids == [9, 9]
@@ -202,7 +207,7 @@ def test_abort_of_waiting_and_running_requests_frees_blocks():
     assert [sr.request_id for sr in batch.scheduled] == ["r0"] and kv.pool.num_free_blocks < 16
     scheduler.finish_request("r1", RequestStatus.FINISHED_ABORTED)
     scheduler.finish_request("r0", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.update(batch, {"r0": 4}) == []  # its token arrives after the abort: dropped
+    assert scheduler.update(batch, {"r0": [4]}) == []  # its token arrives after the abort: dropped
     assert running.output_token_ids == [] and not scheduler.has_unfinished_requests()
     assert kv.pool.num_free_blocks == 16
     assert scheduler.schedule().finished_ids == ["r1", "r0"]

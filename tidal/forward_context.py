@@ -1,35 +1,61 @@
-"""The forward context: batch metadata that layers read while the model runner runs a forward.
+"""The forward context: what layers read about the batch while the model runner runs a forward.
 
-Layers that need to know about the batch's layout (attention reads block tables and slot mapping;
-Mamba layers read state slots and chunk boundaries) take it from here instead of having it threaded
-through every model signature, so model files look like the familiar Hugging Face ones.
+Layers that need to know the batch's layout (attention reads its backend's metadata; Mamba layers read
+state slots and chunk boundaries) take it from here instead of having it threaded through every model
+signature, so model files look like the familiar Hugging Face ones. The model runner sets one for the
+model's forward and another for the LM head over the rows that sample.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-_CONTEXT: Any = None
+
+@dataclass
+class ForwardContext:
+    num_tokens: int
+    # requests computing one token, first in the batch (one token each)
+    num_decodes: int
+    # per request in batch order: query start offsets [num_reqs + 1]
+    query_start_loc: list[int]
+    # which rows a linear layer may send to a kernel whose rounding depends on the row count (the skinny
+    # GEMM): only rows that never need to agree with the same tokens computed in a larger batch - decodes
+    # in decode-only steps, and the LM head's sampled rows. Prompt tokens always take a row-independent
+    # GEMM, so a prompt rounds the same with or without a prefix-cache hit.
+    skinny_gemm: bool = False
+    attn_backend: Any = None           # tidal/layers/attention/backends.py
+    attn_metadata: Any = None          # what that backend built for this step
+    # models with Mamba layers: per request in batch order
+    state_slots: Any = None            # [num_reqs] int64 tensor
+    has_initial_state: Any = None      # [num_reqs] bool tensor: the chunk continues a computed state
+    # does any decode start at position 0 (a one-token prompt)? Known on the host, so layers need not
+    # read has_initial_state back from the device
+    fresh_decodes: bool = False
+    # Mamba state checkpoints to write: (request index in batch, after how many of its tokens, state index)
+    state_checkpoints: list[tuple[int, int, int]] | None = None
+
+
+_CONTEXT: ForwardContext | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any):
+def set_forward_context(context: ForwardContext):
     global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, attn_metadata
+    prev, _CONTEXT = _CONTEXT, context
     try:
         yield
     finally:
         _CONTEXT = prev
 
 
-def get_forward_context() -> Any:
+def get_forward_context() -> ForwardContext:
     if _CONTEXT is None:
         raise RuntimeError("no forward context: layers must run inside the model runner's forward")
     return _CONTEXT
 
 
-def in_decode_only_step() -> bool:
-    """Whether the forward running now holds only decodes (one token per request); True outside a
-    forward (the LM head over the sampled rows)."""
-    ctx = _CONTEXT
-    return ctx is None or getattr(ctx, "num_decodes", -1) == getattr(ctx, "num_tokens", -2)
+def skinny_gemm_allowed() -> bool:
+    """Whether the forward running now lets linear layers use the skinny GEMM (see ForwardContext).
+    Outside a forward (a layer called on its own) there is no prompt to keep consistent: allowed."""
+    return _CONTEXT is None or _CONTEXT.skinny_gemm

@@ -25,22 +25,30 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ScheduledRequest:
-    """What the model runner needs to compute one request's tokens this step (no Request object,
-    so a batch can be sent to worker processes)."""
-    request_id: str
-    token_ids: list[int]          # the tokens whose KV is computed this step
-    start_pos: int                # num_computed_tokens before this step
-    block_ids: list[int]          # the request's whole block table
-    sample: bool                  # the step reaches the last known token: sample the next one
-    num_prompt_tokens: int
+class NewRequestData:
+    """What the workers keep for a request they have not seen (sent once, at admission or again
+    after a preemption); its tokens and blocks come in the ScheduledRequest's deltas."""
     sampling_params: SamplingParams
-    all_token_ids: list[int] | None = None  # prompt + outputs, only when penalties need them
-    want_prompt_logprobs: bool = False
-    prompt_token_ids: list[int] | None = None  # only when prompt logprobs are wanted
+    num_prompt_tokens: int
     state_slot: int | None = None
-    state_restore_from: int | None = None  # copy this Mamba state checkpoint into state_slot first
-    state_checkpoint: tuple[int, int] | None = None  # (after how many of token_ids, into which index)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step, as sent to the workers: no Request object and no whole token or
+    block lists. The workers hold each running request's tokens and block table (tidal/worker/
+    input_batch.py) and apply these deltas first, so a step costs a few integers per request."""
+    request_id: str
+    num_tokens: int               # tokens whose KV this step computes (known tokens, then any drafts)
+    start_pos: int                # num_computed_tokens before this step
+    sample: bool                  # the step reaches the last known token: sample the next one(s)
+    num_prompt_tokens: int = 0
+    new_token_ids: list[int] = field(default_factory=list)   # appended to the workers' copy first
+    new_block_ids: list[int] = field(default_factory=list)   # appended to the workers' block table first
+    new: NewRequestData | None = None  # set when the workers do not hold the request yet
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens, the last len() of num_tokens
+    state_restore_from: int | None = None  # copy this Mamba state checkpoint into the request's slot first
+    state_checkpoint: tuple[int, int] | None = None  # (after how many of this step's tokens, into which index)
 
 
 @dataclass
@@ -48,7 +56,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # since the previous step: runner drops state
+    # finished, aborted or preempted since the previous step: the workers drop what they hold for them
+    finished_ids: list[str] = field(default_factory=list)
     # structured outputs (set by the engine after scheduling): an int32 tensor [k, ceil(vocab / 32)]
     # of allowed-token bitmasks, row j for the sampling request grammar_request_ids[j]
     grammar_bitmask: object = None
@@ -74,6 +83,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        # per request the workers hold: (tokens, blocks) they have been sent
+        self._sent: dict[str, tuple[int, int]] = {}
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------------
@@ -98,6 +109,7 @@ class Scheduler:
         return request
 
     def _release(self, request: Request) -> None:
+        self._sent.pop(request.request_id, None)
         self.kv.free(request)
         if request.state_slot is not None:
             self.state_pool.free(request.state_slot)
@@ -173,22 +185,24 @@ class Scheduler:
         return out
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        params = request.sampling_params
-        want_plp = params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1
+        start, rid = request.num_computed_tokens, request.request_id
+        block_ids = self.kv.get_block_ids(rid)
+        sent = self._sent.get(rid)
+        new = None
+        if sent is None:
+            sent = (0, 0)
+            new = NewRequestData(request.sampling_params, request.num_prompt_tokens, request.state_slot)
+        self._sent[rid] = (request.num_tokens, len(block_ids))
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            request_id=rid,
+            num_tokens=num_new,
             start_pos=start,
-            block_ids=self.kv.get_block_ids(request.request_id),
             sample=start + num_new == request.num_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
-            sampling_params=params,
-            all_token_ids=request.all_token_ids if params.has_penalties else None,
-            want_prompt_logprobs=want_plp,
-            prompt_token_ids=request.prompt_token_ids if want_plp else None,
-            state_slot=request.state_slot,
-            state_restore_from=self._state_restores.pop(request.request_id, None),
+            new_token_ids=request.all_token_ids[sent[0]:],
+            new_block_ids=block_ids[sent[1]:],
+            new=new,
+            state_restore_from=self._state_restores.pop(rid, None),
             state_checkpoint=self._state_checkpoint(request, num_new),
         )
 
@@ -221,7 +235,7 @@ class Scheduler:
                        request.request_id, request.num_tokens, self.num_preemptions)
 
     # -- after the forward -----------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance computed tokens, append sampled tokens, check token-level stops and free finished
         requests. Returns the requests that received a token this step."""
         updated = []
@@ -230,13 +244,18 @@ class Scheduler:
             request = self.requests.get(sr.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile
-            request.num_computed_tokens += len(sr.token_ids)
-            token = sampled.get(sr.request_id)
-            if token is None:
+            tokens = sampled.get(sr.request_id)
+            # drafts the runner rejected have KV computed that no token will use: not computed
+            rejected = len(sr.spec_token_ids) - (len(tokens) - 1) if tokens else 0
+            request.num_computed_tokens += sr.num_tokens - rejected
+            if not tokens:
                 continue
-            request.append_output_token(token)
+            for token in tokens:
+                request.append_output_token(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
             request.last_token_time = now
-            status = self._check_stop(request, token)
             if status is not None:
                 self.running.remove(request)
                 del self.requests[request.request_id]

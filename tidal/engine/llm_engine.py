@@ -48,11 +48,11 @@ class LLMEngine:
         config.max_model_len = self.max_model_len
         self.eos_token_id = self._eos_token_id()
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        config.max_num_batched_tokens = self.max_num_batched_tokens  # the workers size their buffers by it
         if workers:  # same interface as a ModelRunner: execute / kv_bytes_per_token / allocate_kv_cache
             self.runner = self.executor = create_executor(config, self.eos_token_id)
         else:
-            self.runner = ModelRunner(loaded.model, self.dtype, config.block_size, config.seed, self.eos_token_id,
-                                      kv_cache_dtype=loaded.weight_dtype)
+            self.runner = ModelRunner.from_config(loaded, config, self.eos_token_id)
             self.executor = UniProcExecutor(self.runner)
         budget = config.kv_cache_memory_bytes
         if budget is None:  # measured now that the weights are loaded (on CUDA, after a profiling forward)
@@ -249,7 +249,8 @@ class LLMEngine:
                 op.add_prompt_logprobs(cid, entries)
         parents: dict[str, None] = {}  # ordered set
         for request in updated:
-            parent, stop = op.process_token(request, result.logprobs.get(request.request_id))
+            lps = result.logprobs.get(request.request_id)
+            parent, stop = op.process_token(request, lps[-1] if lps else None)
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from tidal.forward_context import in_decode_only_step
+from tidal.forward_context import skinny_gemm_allowed
 from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, linear_f32_bf16w, skinny_linear
 
 
@@ -62,7 +62,7 @@ def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T (+ bias). Where a prepacked copy exists (bf16/fp16 on CPU), products of up to
-    SKINNY_MAX_ROWS rows in decode-only steps (decode of a few requests) go to the native skinny
+    SKINNY_MAX_ROWS rows where the forward context allows it (decode-only steps, the LM head) go to the native skinny
     kernel, which streams the plain weight once; everything else to oneDNN's prepacked GEMM, whose rows
     do not depend on how many there are. Prompt tokens therefore always take oneDNN: a prompt's last
     tokens computed after a prefix-cache hit (a few rows) round exactly as when the whole prompt runs,
@@ -74,7 +74,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] <= SKINNY_MAX_ROWS and in_decode_only_step():
+    if x2.shape[0] <= SKINNY_MAX_ROWS and skinny_gemm_allowed():
         out = skinny_linear(x2, weight, bias)
         if out is not None:
             return out.view(*shape[:-1], out.shape[-1])

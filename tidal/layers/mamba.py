@@ -138,8 +138,7 @@ class MambaMixer(nn.Module):
         y = torch.empty(T, self.d_inner, dtype=torch.float32, device=hidden.device)
         checkpoints = meta.state_checkpoints or ()
         if nd:
-            any_fresh = meta.fresh_decodes if meta.fresh_decodes is not None else bool(fresh[:nd].any())
-            y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd], any_fresh)
+            y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd], meta.fresh_decodes)
             for i, _, index in checkpoints:
                 if i < nd:  # the state after this decode token
                     self.conv_state[index] = self.conv_state[slots[i]]

@@ -1,9 +1,14 @@
-"""ModelRunner: turns a scheduled batch into tensors, runs one forward over all of its tokens
-(prefill chunks and decodes together, no padding), and samples.
+"""ModelRunner: keeps the requests it is running (tidal/worker/input_batch.py), applies each step's
+deltas from the scheduler, runs one forward over all scheduled tokens (prefill chunks, decodes and
+drafts together, no padding), and samples.
 
 Batch layout: requests computing one token (decodes) first, then multi-token chunks; input_ids,
-positions and slot_mapping are flat [num_tokens] tensors. Logits are computed only at the rows
-that sample (and at prompt rows of requests that asked for prompt logprobs).
+positions and slot_mapping are flat [num_tokens] tensors gathered from the InputBatch's fixed buffers.
+Attention metadata is built once per step by the platform's attention backend. Logits are computed
+only at the rows that sample - a request's last known token, and each of its draft tokens - and at
+prompt rows of requests that asked for prompt logprobs. A request with k drafts gets k + 1 tokens
+sampled; the drafts are accepted up to the first that differs from the token sampled at its place,
+and the tokens returned are the accepted drafts and the one sampled after them.
 
 The runner runs where the model's weights are (CPU or CUDA): the KV cache, the Mamba state and the
 samplers' generators live there too. Each step's tensors are built on the host and copied once
@@ -16,15 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
+from tidal.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from tidal.device import lazy_zeros, to_device
-from tidal.forward_context import set_forward_context
-from tidal.layers import cpu_kernels
-from tidal.layers.attention import Attention, AttentionMetadata
+from tidal.forward_context import ForwardContext, set_forward_context
+from tidal.layers.attention import Attention
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
+from tidal.platforms import get_platform
 from tidal.sampling_params import SamplingParams
+from tidal.worker.input_batch import InputBatch, StepInputs
 from tidal.worker.memory import cache_budget_bytes, cuda_cache_budget_bytes
 
 logger = logging.getLogger(__name__)
@@ -32,16 +38,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    # request id -> (top ids, top logprobs, sampled logprob, sampled rank)
-    logprobs: dict[str, tuple] = field(default_factory=dict)
+    # request id -> the tokens it got this step, in order (one, or accepted drafts and one more)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> per sampled token: (top ids, top logprobs, sampled logprob, sampled rank)
+    logprobs: dict[str, list[tuple]] = field(default_factory=dict)
     # request id -> [(position, target id, logprob, rank, top ids, top logprobs), ...]
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, block_size: int, seed: int = 0,
-                 eos_token_id: int | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
+                 eos_token_id: int | None = None, kv_cache_dtype: torch.dtype | None = None,
+                 max_num_seqs: int = 256, max_model_len: int = 2048, max_num_batched_tokens: int = 2048) -> None:
         self.model = model
         self.dtype = dtype
         # the activations' dtype, or bf16 under fp32 activations with bf16 weights: half the memory per
@@ -52,11 +60,24 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
+        self.platform = get_platform(self.device)
+        self.attn_backend = self.platform.attention_backend()
+        # rows enough for the requests of a step and for the profiling forward's sequences
+        rows = max(max_num_seqs, -(-max_num_batched_tokens // max_model_len))
+        self.input_batch = InputBatch(rows, max_model_len, max(max_num_batched_tokens, max_num_seqs), block_size)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
         # (a model on the meta device - shapes only, for sizing estimates - samples nothing)
         gen_device = "cpu" if self.device.type == "meta" else self.device
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
         self.num_blocks = 0
+
+    @classmethod
+    def from_config(cls, loaded, config, eos_token_id: int | None) -> ModelRunner:
+        """For a LoadedModel (tidal/loader) under an EngineConfig whose max_model_len and
+        max_num_batched_tokens the engine has resolved."""
+        return cls(loaded.model, loaded.dtype, config.block_size, config.seed, eos_token_id,
+                   kv_cache_dtype=loaded.weight_dtype, max_num_seqs=config.max_num_seqs,
+                   max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens)
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -93,20 +114,24 @@ class ModelRunner:
         if self.mamba_layers:
             self.allocate_state(len(lens))
         params = SamplingParams(max_tokens=1)
-        reqs = [ScheduledRequest(f"profile-{i}", [0] * n, 0, list(range(first_block[i], first_block[i] + blocks[i])),
-                                 False, n, params, state_slot=i if self.mamba_layers else None)
+        reqs = [ScheduledRequest(f"profile-{i}", n, 0, False, n, new_token_ids=[0] * n,
+                                 new_block_ids=list(range(first_block[i], first_block[i] + blocks[i])),
+                                 new=NewRequestData(params, n, i if self.mamba_layers else None))
                 for i, n in enumerate(lens)]
         try:
-            meta, input_ids, positions = self._prepare(reqs)
-            with set_forward_context(meta):
-                hidden = self.model(input_ids, positions)
+            self.input_batch.update(SchedulerOutput(reqs, sum(lens)))
+            step = self.input_batch.prepare(reqs)
+            with set_forward_context(self._forward_context(step)):
+                hidden = self.model(*self._model_inputs(step))
             if compute_logits:
                 rows = self._on_device(list(range(min(num_seqs, num_tokens))))
-                logits = self.model.compute_logits(hidden[rows]).float()
+                logits = self._compute_logits(hidden[rows])
                 draw = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
                 sample(logits, [SamplingRow(draw, None, None, 0, 0, [])] * len(rows),
                        torch.Generator(self.device).manual_seed(0))
         finally:
+            for r in reqs:
+                self.input_batch.drop(r.request_id)
             for a in self.attn_layers:
                 a.kv_cache = None
             for m in self.mamba_layers:
@@ -123,7 +148,9 @@ class ModelRunner:
 
     def restore_states(self, reqs: list[ScheduledRequest]) -> None:
         """Prefix-cache hits on Mamba models: copy each hit's state checkpoint into its slot."""
-        pairs = [(r.state_slot, r.state_restore_from) for r in reqs if r.state_restore_from is not None]
+        held = self.input_batch.requests
+        pairs = [(held[r.request_id].state_slot, r.state_restore_from) for r in reqs
+                 if r.state_restore_from is not None]
         if pairs:
             dst, src = (to_device(torch.tensor(ids), self.device) for ids in zip(*pairs))
             for m in self.mamba_layers:
@@ -131,95 +158,94 @@ class ModelRunner:
                 m.ssm_state[dst] = m.ssm_state[src]
 
     # -- one step --------------------------------------------------------------------------------
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the step's deltas (new requests, appended tokens and blocks, finished ones)."""
+        self.input_batch.update(so)
+        for rid in so.finished_ids:  # (a preempted request keeps its generator: its draws go on)
+            self.generators.pop(rid, None)
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        for rid in so.finished_ids:
-            self.generators.pop(rid, None)
-        out = RunnerOutput()
-        if not so.scheduled:
-            return out
-        # decodes, then chunks continuing a context, then fresh chunks (stable: FCFS within each)
-        reqs = sorted(so.scheduled, key=lambda r: (len(r.token_ids) > 1, r.start_pos == 0))
-        meta, input_ids, positions = self._prepare(reqs)
-        self.restore_states(reqs)
-        with set_forward_context(meta):
-            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+        self.update_states(so)
+        self.restore_states(so.scheduled)
+        return self.run(so.scheduled, so)
 
-        # rows whose logits we need: the last token of each sampling request, then prompt rows
-        sample_reqs = [r for r in reqs if r.sample]
-        starts = meta.query_start_loc
-        rows = [starts[i] + len(r.token_ids) - 1 for i, r in enumerate(reqs) if r.sample]
-        if sample_reqs:
-            logits = self.model.compute_logits(hidden[self._on_device(rows)]).float()
-            result = sample(logits, [self._sampling_row(r) for r in sample_reqs], self.default_generator,
-                            self._grammar_rows(so, sample_reqs))
-            for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
-                out.sampled[r.request_id] = tok
-                if lp is not None:
-                    out.logprobs[r.request_id] = lp
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None = None,
+            compute_logits: bool = True) -> RunnerOutput:
+        """Forward and sample `scheduled` (all or part of a step whose deltas update_states applied).
+        compute_logits False: only the forward (a pipeline stage before the last)."""
+        out = RunnerOutput()
+        if not scheduled:
+            return out
+        step = self.input_batch.prepare(scheduled)
+        with set_forward_context(self._forward_context(step)):
+            hidden = self.model(*self._model_inputs(step))  # [num_tokens, hidden]
+        if not compute_logits:
+            return out
+
+        # rows whose logits we need: each sampling request's last known token and its drafts
+        reqs, starts = step.reqs, step.query_start_loc
+        sample_reqs = [(i, r) for i, r in enumerate(reqs) if r.sample]
+        rows, sampling_rows = [], []
+        for i, r in sample_reqs:
+            k = len(r.spec_token_ids)
+            first = int(starts[i + 1]) - 1 - k
+            rows.extend(range(first, first + k + 1))
+            sampling_rows.extend(self._sampling_rows(r))
+        if rows:
+            logits = self._compute_logits(hidden[self._on_device(rows)])
+            result = sample(logits, sampling_rows, self.default_generator,
+                            self._grammar_rows(so, [r for _, r in sample_reqs]))
+            j = 0
+            for _, r in sample_reqs:
+                k = len(r.spec_token_ids)
+                tokens, lps = result.token_ids[j:j + k + 1], result.logprobs[j:j + k + 1]
+                j += k + 1
+                n = next((a for a in range(k) if tokens[a] != r.spec_token_ids[a]), k)  # drafts accepted
+                out.sampled[r.request_id] = tokens[:n + 1]
+                if lps[0] is not None:
+                    out.logprobs[r.request_id] = lps[:n + 1]
         for i, r in enumerate(reqs):
-            if r.want_prompt_logprobs:
-                out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, starts[i])
+            if self._wants_prompt_logprobs(r):
+                out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, int(starts[i]))
         return out
 
-    def _prepare(self, reqs: list[ScheduledRequest]):
-        bs = self.block_size
-        q_lens = [len(r.token_ids) for r in reqs]
-        query_start_loc = [0]
-        for n in q_lens:
-            query_start_loc.append(query_start_loc[-1] + n)
-        num_tokens = query_start_loc[-1]
-        input_ids = torch.tensor([t for r in reqs for t in r.token_ids], dtype=torch.long)
-        q_lens_t = torch.tensor(q_lens)
-        req_idx = torch.repeat_interleave(torch.arange(len(reqs)), q_lens_t)
-        offsets = torch.arange(num_tokens) - torch.tensor(query_start_loc[:-1])[req_idx]
-        positions = torch.tensor([r.start_pos for r in reqs])[req_idx] + offsets
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in reqs],
-                                    dtype=torch.long)
-        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+    def _model_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_device(step.input_ids, self.device), to_device(step.positions, self.device)
 
-        num_decodes = sum(1 for n in q_lens if n == 1)
-        seq_lens = [r.start_pos + n for r, n in zip(reqs, q_lens)]
-        # With the native kernel every token is attended in place through the paged kernel, prompt
-        # chunks too (each token a query over its own prefix, after this step's K/V are written): on the
-        # offline workload 1.04-1.11x the throughput of torch's SDPA for chunks, whose bf16 path runs
-        # fp32 GEMMs. Without it, decodes take the torch decode path and chunks SDPA.
-        num_paged_reqs = num_decodes
-        if self.device.type == "cpu" and cpu_kernels.native_lib() is not None:
-            num_paged_reqs = len(reqs)
-        num_paged = query_start_loc[num_paged_reqs]
-        # everything above is on the host; each tensor the forward reads is copied to the device once
-        dev = self.device
-        device_block_tables = to_device(block_tables, dev)
-        prefills = [(query_start_loc[i], q_lens[i], reqs[i].start_pos,
-                     device_block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(num_paged_reqs, len(reqs))]
-        # per request, not per token: a long chunk over a long context would otherwise copy its table
-        # once per token
-        paged_table_index = to_device(req_idx[:num_paged], dev)
-        slots = [r.state_slot for r in reqs]
-        meta = AttentionMetadata(
-            num_tokens=num_tokens, slot_mapping=to_device(slot_mapping, dev), block_size=bs, num_decodes=num_decodes,
-            num_paged_tokens=num_paged,
-            paged_block_tables=device_block_tables if num_paged else None,
-            paged_table_index=paged_table_index if num_paged else None,
-            paged_seq_lens=to_device(positions[:num_paged] + 1, dev) if num_paged else None,
-            paged_max_seq_len=max(seq_lens[:num_paged_reqs], default=0),
-            prefills=prefills, query_start_loc=query_start_loc,
-            state_slots=(self._on_device(slots) if any(s is not None for s in slots) else None),
-            has_initial_state=self._on_device([r.start_pos > 0 for r in reqs]),
-            fresh_decodes=any(r.start_pos == 0 for r in reqs[:num_decodes]),
-            state_checkpoints=[(i, *r.state_checkpoint) for i, r in enumerate(reqs) if r.state_checkpoint] or None,
-        )
-        return meta, to_device(input_ids, dev), to_device(positions, dev)
+    def _forward_context(self, step: StepInputs) -> ForwardContext:
+        reqs, nd = step.reqs, step.num_decodes
+        ctx = ForwardContext(num_tokens=step.num_tokens, num_decodes=nd, query_start_loc=step.query_start_loc.tolist(),
+                             skinny_gemm=nd == len(reqs))
+        if self.attn_layers:
+            ctx.attn_backend = self.attn_backend
+            ctx.attn_metadata = self.attn_backend.build(step, self.device)
+        if self.mamba_layers:
+            held = self.input_batch.requests
+            ctx.state_slots = self._on_device([held[r.request_id].state_slot for r in reqs])
+            ctx.has_initial_state = self._on_device([r.start_pos > 0 for r in reqs])
+            ctx.fresh_decodes = any(r.start_pos == 0 for r in reqs[:nd])
+            ctx.state_checkpoints = [(i, *r.state_checkpoint) for i, r in enumerate(reqs) if r.state_checkpoint] or None
+        return ctx
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over the rows that sample: one row per request (or per draft), never a prompt's
+        other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm)."""
+        with set_forward_context(ForwardContext(hidden.shape[0], hidden.shape[0], [], skinny_gemm=True)):
+            return self.model.compute_logits(hidden).float()
 
     @staticmethod
-    def _grammar_rows(so: SchedulerOutput, sample_reqs: list[ScheduledRequest]):
+    def _grammar_rows(so: SchedulerOutput | None, sample_reqs: list[ScheduledRequest]):
         """(bitmask, logits rows it applies to) for the sampling requests with a grammar, or None."""
-        if so.grammar_bitmask is None:
+        if so is None or so.grammar_bitmask is None:
             return None
         where = {rid: j for j, rid in enumerate(so.grammar_request_ids)}
-        pairs = [(i, where[r.request_id]) for i, r in enumerate(sample_reqs) if r.request_id in where]
+        pairs, row = [], 0
+        for r in sample_reqs:
+            if r.request_id in where:
+                pairs.append((row, where[r.request_id]))
+            row += 1 + len(r.spec_token_ids)
         if not pairs:
             return None
         rows, mask_rows = zip(*pairs)
@@ -229,29 +255,40 @@ class ModelRunner:
         """A list of ints (or bools) as a tensor on the device (int64 for ints, as torch.tensor makes it)."""
         return to_device(torch.tensor(values), self.device)
 
-    def _sampling_row(self, r: ScheduledRequest) -> SamplingRow:
-        p = r.sampling_params
+    def _sampling_rows(self, r: ScheduledRequest) -> list[SamplingRow]:
+        """One row per token drawn for r: after its last known token, then after each of its drafts."""
+        state = self.input_batch.requests[r.request_id]
+        p = state.sampling_params
         gen = None
         if p.seed is not None and not p.greedy:
             gen = self.generators.get(r.request_id)
             if gen is None:
                 gen = self.generators[r.request_id] = torch.Generator(self.device).manual_seed(p.seed)
-        num_tokens = r.start_pos + len(r.token_ids)
         stop_ids = list(p.stop_token_ids)
         if not p.ignore_eos and self.eos_token_id is not None:
             stop_ids.append(self.eos_token_id)
-        return SamplingRow(p, gen, r.all_token_ids, r.num_prompt_tokens, num_tokens - r.num_prompt_tokens,
-                           stop_ids if p.min_tokens else [])
+        known = self.input_batch.tokens(r.request_id).tolist() if p.has_penalties else None
+        num_output = r.start_pos + r.num_tokens - len(r.spec_token_ids) - state.num_prompt_tokens
+        return [SamplingRow(p, gen, known + r.spec_token_ids[:j] if known is not None else None,
+                            state.num_prompt_tokens, num_output + j, stop_ids if p.min_tokens else [])
+                for j in range(len(r.spec_token_ids) + 1)]
+
+    def _wants_prompt_logprobs(self, r: ScheduledRequest) -> bool:
+        state = self.input_batch.requests[r.request_id]
+        return state.sampling_params.prompt_logprobs is not None and r.start_pos < state.num_prompt_tokens - 1
 
     def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor, q_start: int) -> list:
         """Logprobs of the prompt tokens this chunk predicts: position p predicts token p + 1."""
-        positions = [p for p in range(r.start_pos, r.start_pos + len(r.token_ids)) if p + 1 < r.num_prompt_tokens]
+        state = self.input_batch.requests[r.request_id]
+        n_prompt = state.num_prompt_tokens
+        positions = [p for p in range(r.start_pos, r.start_pos + r.num_tokens) if p + 1 < n_prompt]
         if not positions:
             return []
         rows = [q_start + p - r.start_pos for p in positions]
-        targets = [r.prompt_token_ids[p + 1] for p in positions]
-        logits = self.model.compute_logits(hidden[self._on_device(rows)]).float()
-        k = r.sampling_params.prompt_logprobs
+        prompt = self.input_batch.tokens(r.request_id)
+        targets = [int(prompt[p + 1]) for p in positions]
+        logits = self._compute_logits(hidden[self._on_device(rows)])
+        k = state.sampling_params.prompt_logprobs
         lps, ranks, top_ids, top_vals = prompt_logprobs(logits, self._on_device(targets), k)
         return [(p + 1, t, lp, rk, ti, tv) for p, t, lp, rk, ti, tv in
                 zip(positions, targets, lps, ranks, top_ids, top_vals)]

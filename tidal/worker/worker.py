@@ -20,7 +20,7 @@ import time
 import torch
 
 from tidal.config import EngineConfig
-from tidal.core.scheduler import SchedulerOutput
+from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
 from tidal.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ class Worker:
                          backend="nccl" if device.type == "cuda" else "gloo")
         loaded = load_model(self.config.model, self.config.dtype, device=device)
         model = loaded.model
-        self.runner = ModelRunner(model, loaded.dtype, self.config.block_size, self.config.seed, self.eos_token_id,
-                                  kv_cache_dtype=loaded.weight_dtype)
+        self.runner = ModelRunner.from_config(loaded, self.config, self.eos_token_id)
         stack = next((m for m in model.modules() if hasattr(m, "start_layer")), None)  # LlamaModel, MambaModel...
         layers = ((stack.start_layer, stack.end_layer) if stack is not None  # models without stages hold every layer
                   else (0, getattr(loaded.config, "num_hidden_layers", 0)))
@@ -125,17 +124,15 @@ class Worker:
     def _execute_pipelined(self, so: SchedulerOutput) -> RunnerOutput:
         from tidal.distributed import wait_pp_sends
         out = RunnerOutput()
+        self.runner.update_states(so)
         # Mamba state checkpoints are restored for the whole step before any micro-batch runs: a forward
         # may overwrite a checkpoint that a later micro-batch restores from (the scheduler reuses an
         # evicted checkpoint's index in the step that restores from it, relying on restores coming first).
         self.runner.restore_states(so.scheduled)
+        last = self.is_last_stage  # earlier stages only run their layers: nothing to sample
         try:
-            for part in split_batch(so, self.num_microbatches):
-                last = self.is_last_stage  # earlier stages only run their layers: nothing to sample
-                part.scheduled = [dataclasses.replace(r, state_restore_from=None, sample=r.sample and last,
-                                                      want_prompt_logprobs=r.want_prompt_logprobs and last)
-                                  for r in part.scheduled]
-                res = self.runner.execute(part)
+            for part in split_batch(so.scheduled, self.num_microbatches):
+                res = self.runner.run(part, so, compute_logits=last)
                 out.sampled.update(res.sampled)
                 out.logprobs.update(res.logprobs)
                 out.prompt_logprobs.update(res.prompt_logprobs)
@@ -148,25 +145,21 @@ class Worker:
         destroy_distributed()
 
 
-def split_batch(so: SchedulerOutput, num_parts: int) -> list[SchedulerOutput]:
-    """Split a step's batch into up to num_parts contiguous micro-batches of about equal token counts.
+def split_batch(reqs: list[ScheduledRequest], num_parts: int) -> list[list[ScheduledRequest]]:
+    """Split a step's requests into up to num_parts contiguous micro-batches of about equal token counts.
     Every stage splits the same batch the same way, so micro-batch i meets itself on every stage."""
-    reqs = so.scheduled
     n = min(num_parts, len(reqs))
     if n <= 1:
-        return [dataclasses.replace(so, scheduled=list(reqs))]
-    total = sum(len(r.token_ids) for r in reqs)
+        return [list(reqs)]
+    total = sum(r.num_tokens for r in reqs)
     parts, current, seen = [], [], 0
     for i, r in enumerate(reqs):
         current.append(r)
-        seen += len(r.token_ids)
+        seen += r.num_tokens
         remaining_parts = n - len(parts) - 1
         # close this part once it holds its share, keeping at least one request for each later part
         if remaining_parts and (seen >= total * (len(parts) + 1) / n or len(reqs) - i - 1 == remaining_parts):
             parts.append(current)
             current = []
     parts.append(current)
-    # finished_ids (runner state to drop) travel with the first part only
-    return [dataclasses.replace(so, scheduled=p, num_batched_tokens=sum(len(r.token_ids) for r in p),
-                                preempted_ids=so.preempted_ids if i == 0 else [],
-                                finished_ids=so.finished_ids if i == 0 else []) for i, p in enumerate(parts) if p]
+    return [p for p in parts if p]

@@ -1,15 +1,12 @@
-"""Attention: the paged-attention interface a model calls. It writes this step's K/V into the
-layer's KV cache at `slot_mapping`, then attends through block tables. The torch backend below runs
-wherever torch does (it is the path on CUDA, through torch's fused attention kernels); a dedicated
-GPU backend would implement the same two functions.
+"""Attention: the paged-attention layer a model calls, and the torch building blocks of its backends.
+The layer hands q/k/v to the step's backend (tidal/layers/attention/backends.py), which writes this
+step's K/V into the layer's KV cache at `slot_mapping`, then attends through block tables.
 
 KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`),
 in the activations' dtype, or bf16 under fp32 activations (bf16 weights on a CPU without native bf16).
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
 so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
-without horizontal sums. With the native CPU kernel (tidal/layers/cpu_kernels.py) every token of the
-batch - decodes and prompt chunks alike - is attended in place through it; otherwise decodes take the
-torch decode path (which gathers the blocks) and chunks torch's SDPA.
+without horizontal sums.
 """
 from __future__ import annotations
 
@@ -19,7 +16,6 @@ from torch import nn
 
 from tidal.forward_context import get_forward_context
 from tidal.layers import cpu_kernels
-from tidal.layers.attention.metadata import AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -32,34 +28,9 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D]."""
-        meta: AttentionMetadata = get_forward_context()
-        T = q.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = split_kv_cache(self.kv_cache)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
-        n = meta.num_paged_tokens
-        if n:
-            o = cpu_kernels.paged_attention_decode(q[:n], k_cache, v_cache, meta.paged_block_tables,
-                                                   meta.paged_seq_lens, self.scale, meta.paged_table_index)
-            if o is None:
-                tables = meta.paged_block_tables[meta.paged_table_index]
-                o = decode_attention(q[:n], k_cache, v_cache, tables, meta.paged_seq_lens,
-                                     meta.paged_max_seq_len, self.scale)
-            out[:n] = o
-        for q_start, q_len, ctx_len, block_ids in meta.prefills:
-            qs = q[q_start:q_start + q_len]
-            if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache
-                ks = k[q_start:q_start + q_len].transpose(0, 1)
-                vs = v[q_start:q_start + q_len].transpose(0, 1)
-            else:
-                ks, vs = gather_kv(k_cache, v_cache, block_ids, ctx_len + q_len)
-                ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a bf16 cache under fp32 activations
-            out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, self.scale)
-        return out.view(T, -1)
+        """q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D], through the step's attention backend."""
+        ctx = get_forward_context()
+        return ctx.attn_backend.forward(self, q, k, v, ctx.attn_metadata)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:

@@ -1,0 +1,121 @@
+"""Attention backends: one interface, one class per way of attending over the paged KV cache.
+
+    backend.build(step, device)                 -> its metadata for one step (once per step, not per layer)
+    backend.forward(layer, q, k, v, metadata)   -> [T, Hq * D], after writing this step's K/V to the cache
+
+    CPUNativeBackend   every token of the batch - decodes and prompt chunks alike - is a query over its own
+                       prefix, read in place from the blocks by the native kernel (tidal/layers/cpu_kernels.py)
+                       through the worker's persistent block table and a row index per token: no gather,
+                       no mask, no loop over requests
+    TorchSDPABackend   wherever torch runs (the path on CUDA): decodes gather their blocks and attend with a
+                       padding mask; each prompt chunk takes torch's fused scaled-dot-product attention
+
+The platform (tidal/platforms.py) picks one for the device. A GPU kernel backend would add a class here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal.device import to_device
+from tidal.layers import cpu_kernels
+from tidal.layers.attention.layer import (
+    decode_attention,
+    gather_kv,
+    prefill_attention,
+    split_kv_cache,
+    write_kv,
+)
+
+
+class AttentionBackend:
+    name = "base"
+
+    def build(self, step, device: torch.device):
+        """Metadata for one step from the worker's StepInputs (tidal/worker/input_batch.py)."""
+        raise NotImplementedError
+
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class PagedMetadata:
+    slot_mapping: torch.Tensor   # [T] int64: where each token's K/V goes
+    block_table: torch.Tensor    # [max_num_seqs, max_blocks] int64: the worker's persistent table
+    token_rows: torch.Tensor     # [T] int64: each token's row in block_table
+    seq_lens: torch.Tensor       # [T] int64: each token attends to its first position + 1 cached tokens
+    max_seq_len: int
+
+
+class CPUNativeBackend(AttentionBackend):
+    name = "cpu_native"
+
+    def build(self, step, device: torch.device) -> PagedMetadata:
+        return PagedMetadata(step.slot_mapping, step.block_table, step.token_rows, step.positions + 1,
+                             int(step.seq_lens.max()) if len(step.seq_lens) else 0)
+
+    def forward(self, layer, q, k, v, meta: PagedMetadata) -> torch.Tensor:
+        T = q.shape[0]
+        q = q.view(T, layer.num_heads, layer.head_dim)
+        k_cache, v_cache = split_kv_cache(layer.kv_cache)
+        write_kv(k_cache, v_cache, k.view(T, layer.num_kv_heads, layer.head_dim),
+                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping)
+        out = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale,
+                                                 meta.token_rows)
+        if out is None:  # a dtype the kernel does not take: the torch decode path, one query per token
+            out = decode_attention(q, k_cache, v_cache, meta.block_table[meta.token_rows], meta.seq_lens,
+                                   meta.max_seq_len, layer.scale)
+        return out.view(T, -1)
+
+
+@dataclass
+class TorchMetadata:
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_tables: torch.Tensor | None      # [num_decodes, max_blocks] int64 (padded)
+    decode_seq_lens: torch.Tensor | None    # [num_decodes] int64
+    decode_max_seq_len: int
+    # the chunks: (query_start, query_len, context_len, block_ids [n] int64)
+    prefills: list[tuple[int, int, int, torch.Tensor]]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch_sdpa"
+
+    def build(self, step, device: torch.device) -> TorchMetadata:
+        bs, nd = step.block_size, step.num_decodes
+        # the whole table on the device once; each chunk takes a view of its row
+        table = to_device(step.block_table[torch.from_numpy(step.rows)], device)
+        qsl, seq_lens = step.query_start_loc, step.seq_lens
+        prefills = [(int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i] - (qsl[i + 1] - qsl[i])),
+                     table[i, :-(-int(seq_lens[i]) // bs)]) for i in range(nd, len(step.reqs))]
+        return TorchMetadata(
+            slot_mapping=to_device(step.slot_mapping, device), num_decodes=nd,
+            decode_tables=table[:nd] if nd else None,
+            decode_seq_lens=to_device(torch.from_numpy(seq_lens[:nd]), device) if nd else None,
+            decode_max_seq_len=int(seq_lens[:nd].max()) if nd else 0, prefills=prefills)
+
+    def forward(self, layer, q, k, v, meta: TorchMetadata) -> torch.Tensor:
+        T = q.shape[0]
+        q = q.view(T, layer.num_heads, layer.head_dim)
+        k = k.view(T, layer.num_kv_heads, layer.head_dim)
+        v = v.view(T, layer.num_kv_heads, layer.head_dim)
+        k_cache, v_cache = split_kv_cache(layer.kv_cache)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.decode_tables, meta.decode_seq_lens,
+                                       meta.decode_max_seq_len, layer.scale)
+        for q_start, q_len, ctx_len, block_ids in meta.prefills:
+            qs = q[q_start:q_start + q_len]
+            if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache
+                ks = k[q_start:q_start + q_len].transpose(0, 1)
+                vs = v[q_start:q_start + q_len].transpose(0, 1)
+            else:
+                ks, vs = gather_kv(k_cache, v_cache, block_ids, ctx_len + q_len)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a bf16 cache under fp32 activations
+            out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, layer.scale)
+        return out.view(T, -1)

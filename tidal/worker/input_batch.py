@@ -1,0 +1,144 @@
+"""InputBatch: the requests a worker holds, in fixed host buffers that outlive the step.
+
+The scheduler sends each request whole once (its NewRequestData and every token and block so far),
+then per step only deltas: the tokens appended since (the previous step's samples), new block ids,
+and how many tokens to compute. Each request the worker holds owns one row of the buffers below
+until it finishes or is preempted:
+
+    token_ids      [max_num_seqs, max_model_len]  prompt + outputs (+ this step's drafts past num_tokens)
+    block_table    [max_num_seqs, max_blocks]     its KV blocks, in order
+    num_tokens, num_prompt_tokens, num_blocks     [max_num_seqs]
+
+A step's flat inputs (input_ids, positions, slot_mapping, query_start_loc, seq_lens) are gathered
+from them with a few vectorised numpy operations into buffers sized for the largest step, so nothing
+is rebuilt from Python lists, and the shapes a device graph would capture stay fixed. The block
+table is handed to attention as it is, with a row index per token: no per-step table copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
+from tidal.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    row: int
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    state_slot: int | None
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs, views of the InputBatch's buffers (valid until the next step)."""
+    reqs: list[ScheduledRequest]   # batch order: decodes, then chunks continuing a context, then fresh chunks
+    rows: np.ndarray               # [num_reqs] each request's row in the InputBatch
+    num_tokens: int
+    num_decodes: int               # requests (= tokens) computing one token, first in the batch
+    query_start_loc: np.ndarray    # [num_reqs + 1]
+    seq_lens: np.ndarray           # [num_reqs] start_pos + num_tokens
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    slot_mapping: torch.Tensor     # [num_tokens] int64
+    token_rows: torch.Tensor       # [num_tokens] int64: each token's row in block_table
+    block_table: torch.Tensor      # [max_num_seqs, max_blocks] int64, the whole persistent table
+    block_size: int
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, block_size: int,
+                 max_spec_tokens: int = 0) -> None:
+        self.block_size = block_size
+        self.max_len = max_model_len + max_spec_tokens  # room for drafts past the last known token
+        self.max_blocks = -(-self.max_len // block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.token_ids = np.zeros((max_num_seqs, self.max_len), dtype=np.int32)  # vocabularies fit in int32
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)      # known tokens (no drafts)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self._block_table = torch.zeros(max_num_seqs, self.max_blocks, dtype=torch.int64)
+        self.block_table = self._block_table.numpy()
+        n = max_num_batched_tokens
+        self._input_ids = torch.zeros(n, dtype=torch.int64)
+        self._positions = torch.zeros(n, dtype=torch.int64)
+        self._slot_mapping = torch.zeros(n, dtype=torch.int64)
+        self._token_rows = torch.zeros(n, dtype=torch.int64)
+        self._arange = np.arange(max(n, max_num_seqs) + 1, dtype=np.int64)
+
+    # -- deltas from the scheduler ------------------------------------------------------------------
+    def update(self, so: SchedulerOutput) -> list[str]:
+        """Apply a step's deltas: drop finished and preempted requests, add new ones, append tokens and
+        blocks. Returns the ids dropped."""
+        dropped = [rid for rid in (*so.finished_ids, *so.preempted_ids) if self.drop(rid)]
+        for sr in so.scheduled:
+            state = self.requests.get(sr.request_id)
+            if sr.new is not None:
+                if state is not None:
+                    self.drop(sr.request_id)
+                if not self.free_rows:
+                    raise RuntimeError(f"request {sr.request_id}: no free row in the input batch (max_num_seqs "
+                                       f"{len(self.num_tokens)} requests are held)")
+                row = self.free_rows.pop()
+                state = CachedRequestState(sr.request_id, row, sr.new.sampling_params, sr.new.num_prompt_tokens,
+                                           sr.new.state_slot)
+                self.requests[sr.request_id] = state
+                self.num_tokens[row] = self.num_blocks[row] = 0
+            elif state is None:
+                raise RuntimeError(f"request {sr.request_id} was scheduled as running, but this worker does not "
+                                   "hold it")
+            row = state.row
+            if sr.new_token_ids:
+                n = int(self.num_tokens[row])
+                self.token_ids[row, n:n + len(sr.new_token_ids)] = sr.new_token_ids
+                self.num_tokens[row] = n + len(sr.new_token_ids)
+            if sr.new_block_ids:
+                b = int(self.num_blocks[row])
+                self.block_table[row, b:b + len(sr.new_block_ids)] = sr.new_block_ids
+                self.num_blocks[row] = b + len(sr.new_block_ids)
+            if sr.spec_token_ids:  # drafts sit past the known tokens, overwritten by what is accepted
+                n = int(self.num_tokens[row])
+                self.token_ids[row, n:n + len(sr.spec_token_ids)] = sr.spec_token_ids
+        return dropped
+
+    def drop(self, request_id: str) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.free_rows.append(state.row)
+        return True
+
+    def tokens(self, request_id: str) -> np.ndarray:
+        """A request's known tokens (prompt + outputs), a view."""
+        row = self.requests[request_id].row
+        return self.token_ids[row, :self.num_tokens[row]]
+
+    # -- one step's inputs --------------------------------------------------------------------------
+    def prepare(self, reqs: list[ScheduledRequest]) -> StepInputs:
+        """Flat inputs of `reqs` in batch order: decodes first, then chunks that continue a cached context,
+        then chunks starting at position 0 (stable: scheduling order within each)."""
+        reqs = sorted(reqs, key=lambda r: (r.num_tokens > 1, r.start_pos == 0))
+        rows = np.fromiter((self.requests[r.request_id].row for r in reqs), dtype=np.int64, count=len(reqs))
+        q_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
+        starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=len(reqs))
+        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        T = int(query_start_loc[-1])
+        req_idx = np.repeat(self._arange[:len(reqs)], q_lens)                          # [T] request of each token
+        positions = starts[req_idx] + self._arange[:T] - query_start_loc[:-1][req_idx]  # [T]
+        token_rows = rows[req_idx]
+        bs = self.block_size
+        input_ids, pos_t, slots, rows_t = (self._input_ids[:T], self._positions[:T], self._slot_mapping[:T],
+                                           self._token_rows[:T])
+        input_ids.numpy()[:] = np.take(self.token_ids.reshape(-1), token_rows * self.max_len + positions)
+        pos_t.numpy()[:] = positions
+        rows_t.numpy()[:] = token_rows
+        np.add(self.block_table[token_rows, positions // bs] * bs, positions % bs, out=slots.numpy())
+        num_decodes = int(np.searchsorted(q_lens > 1, True)) if len(reqs) else 0
+        return StepInputs(reqs, rows, T, num_decodes, query_start_loc, starts + q_lens, input_ids, pos_t, slots,
+                          rows_t, self._block_table, bs)
