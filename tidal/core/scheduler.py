@@ -11,8 +11,8 @@ No request is ever dropped.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.core.kv_cache_manager import KVCacheManager
@@ -221,44 +221,29 @@ class Scheduler:
                        request.request_id, request.num_tokens, self.num_preemptions)
 
     # -- after the forward -----------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, check token-level stops and free finished
-        requests. Returns the requests that received a token this step."""
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+               append: Callable[[Request, list[int]], list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance each scheduled request's computed tokens, hand the tokens sampled for it to
+        `append` (which appends those it keeps and marks the request finished at a stop: the
+        engine's stop checker, tidal/engine/stop_checker.py) and free the requests that finished.
+        Returns (request, tokens appended) for the requests that received tokens this step."""
         updated = []
-        now = time.time()
         for sr in output.scheduled:
             request = self.requests.get(sr.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile
             request.num_computed_tokens += len(sr.token_ids)
-            token = sampled.get(sr.request_id)
-            if token is None:
+            token_ids = sampled.get(sr.request_id)
+            if not token_ids:
                 continue
-            request.append_output_token(token)
-            request.last_token_time = now
-            status = self._check_stop(request, token)
-            if status is not None:
+            kept = append(request, token_ids)
+            if request.is_finished:
                 self.running.remove(request)
                 del self.requests[request.request_id]
-                request.status = status
                 self._release(request)
                 self._finished_ids.append(request.request_id)
-            updated.append(request)
+            updated.append((request, kept))
         return updated
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # -- stats -----------------------------------------------------------------------------------
     @property

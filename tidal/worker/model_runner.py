@@ -32,23 +32,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    # request id -> (top ids, top logprobs, sampled logprob, sampled rank)
-    logprobs: dict[str, tuple] = field(default_factory=dict)
+    # request id -> the tokens sampled for it this step, in order
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> per sampled token: (top ids, top logprobs, sampled logprob, sampled rank)
+    logprobs: dict[str, list[tuple]] = field(default_factory=dict)
     # request id -> [(position, target id, logprob, rank, top ids, top logprobs), ...]
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, block_size: int, seed: int = 0,
-                 eos_token_id: int | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.dtype = dtype
         # the activations' dtype, or bf16 under fp32 activations with bf16 weights: half the memory per
         # token, the same as a bf16 model's, rounded as the model's weights are
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
@@ -154,9 +155,9 @@ class ModelRunner:
             result = sample(logits, [self._sampling_row(r) for r in sample_reqs], self.default_generator,
                             self._grammar_rows(so, sample_reqs))
             for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
-                out.sampled[r.request_id] = tok
+                out.sampled[r.request_id] = [tok]
                 if lp is not None:
-                    out.logprobs[r.request_id] = lp
+                    out.logprobs[r.request_id] = [lp]
         for i, r in enumerate(reqs):
             if r.want_prompt_logprobs:
                 out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, starts[i])
@@ -238,8 +239,8 @@ class ModelRunner:
                 gen = self.generators[r.request_id] = torch.Generator(self.device).manual_seed(p.seed)
         num_tokens = r.start_pos + len(r.token_ids)
         stop_ids = list(p.stop_token_ids)
-        if not p.ignore_eos and self.eos_token_id is not None:
-            stop_ids.append(self.eos_token_id)
+        if not p.ignore_eos:
+            stop_ids.extend(self.eos_token_ids)
         return SamplingRow(p, gen, r.all_token_ids, r.num_prompt_tokens, num_tokens - r.num_prompt_tokens,
                            stop_ids if p.min_tokens else [])
 
