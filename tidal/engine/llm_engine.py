@@ -34,6 +34,29 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict
 
 
+def resolve_eos_token_ids(tokenizer, model_config, generation_config: dict, vocab_size: int) -> tuple[int, ...]:
+    """Every id that ends a turn, as vLLM stops on them all: the tokenizer's eos, then the
+    `eos_token_id` of generation_config.json and of config.json (each an int or a list; e.g.
+    Llama-3 instruct lists <|eot_id|> and <|eom_id|>), in that order, without repeats.
+
+        >>> from types import SimpleNamespace as NS
+        >>> resolve_eos_token_ids(NS(eos_token_id=2), NS(eos_token_id=[2, 7]), {"eos_token_id": 5}, 100)
+        (2, 5, 7)
+    """
+    found = [getattr(tokenizer, "eos_token_id", None)]
+    for eos in (generation_config.get("eos_token_id"), getattr(model_config, "eos_token_id", None)):
+        found.extend(eos if isinstance(eos, (list, tuple)) else [eos])
+    ids: list[int] = []
+    for t in found:
+        if not isinstance(t, int) or isinstance(t, bool) or t in ids:
+            continue
+        if 0 <= t < vocab_size:
+            ids.append(t)
+        else:  # the sampler masks stop ids by index (min_tokens): one outside the logits cannot be used
+            logger.warning("ignoring EOS token id %d: outside the vocabulary [0, %d)", t, vocab_size)
+    return tuple(ids)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -129,24 +152,11 @@ class LLMEngine:
         return self.config.max_model_len
 
     def _eos_token_ids(self, path: str) -> tuple[int, ...]:
-        """Every id that ends a turn, as vLLM stops on them all: the tokenizer's eos, then the
-        `eos_token_id` of generation_config.json and of config.json (each an int or a list; e.g.
-        Llama-3 instruct lists <|eot_id|> and <|eom_id|>)."""
-        found = [getattr(self.tokenizer, "eos_token_id", None)]
-        for eos in (load_generation_config(path).get("eos_token_id"), getattr(self.model_config, "eos_token_id", None)):
-            found.extend(eos if isinstance(eos, (list, tuple)) else [eos])
-        ids: list[int] = []
-        for t in found:
-            if not isinstance(t, int) or isinstance(t, bool) or t in ids:
-                continue
-            if 0 <= t < self.vocab_size:
-                ids.append(t)
-            else:  # the sampler masks stop ids by index (min_tokens): one outside the logits cannot be used
-                logger.warning("ignoring EOS token id %d: outside the vocabulary [0, %d)", t, self.vocab_size)
+        ids = resolve_eos_token_ids(self.tokenizer, self.model_config, load_generation_config(path), self.vocab_size)
         names = [self.tokenizer.convert_ids_to_tokens(t) for t in ids] if self.tokenizer is not None else []
         logger.info("EOS token ids: %s%s", list(ids) or "none (outputs end at max_tokens or max_model_len)",
                     f" {names}" if names else "")
-        return tuple(ids)
+        return ids
 
     # -- requests --------------------------------------------------------------------------------
     def next_request_id(self) -> str:
