@@ -249,7 +249,7 @@ def test_generation_stops_on_the_second_eos_id_of_generation_config(two_eos_mode
     assert_engine_idle(llm.llm_engine)
 
 
-def with_extra_tokens(engine, extra: list[int]):
+def with_extra_tokens(monkeypatch, engine, extra: list[int]) -> None:
     """Make the engine's runner return, for each sampling request, its sampled token followed by
     `extra` (one logprobs entry each): k = 1 + len(extra) tokens per step."""
     execute = engine.runner.execute
@@ -261,14 +261,14 @@ def with_extra_tokens(engine, extra: list[int]):
             if rid in out.logprobs:
                 out.logprobs[rid].extend([out.logprobs[rid][-1]] * len(extra))
         return out
-    engine.runner.execute = execute_k
+    monkeypatch.setattr(engine.runner, "execute", execute_k)
 
 
-def test_k_tokens_per_step_stop_at_eos_and_max_tokens_with_logprobs_per_token(tiny_model_dir):
+def test_k_tokens_per_step_stop_at_eos_and_max_tokens_with_logprobs_per_token(tiny_model_dir, monkeypatch):
     llm = tiny_llm(tiny_model_dir("llama"))
     engine = llm.llm_engine
     eos = engine.eos_token_ids[0]
-    with_extra_tokens(engine, [300, eos, 301])
+    with_extra_tokens(monkeypatch, engine, [300, eos, 301])
     outs = llm.generate([PROMPT] * 2, [SamplingParams(temperature=0, max_tokens=NUM, logprobs=1),
                                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)],
                         use_tqdm=False)
@@ -279,3 +279,21 @@ def test_k_tokens_per_step_stop_at_eos_and_max_tokens_with_logprobs_per_token(ti
     assert length.token_ids[1:4] == [300, eos, 301] and length.token_ids[5] == 300
     assert len(length.token_ids) == 6 and length.finish_reason == "length" and len(length.logprobs) == 6
     assert_engine_idle(engine)
+
+
+def test_grammar_accepts_exactly_the_tokens_kept_and_text_stops_at_them(smollm2, monkeypatch):
+    """Structured outputs and stop strings with k tokens per step: the grammar moves over the
+    appended tokens only, and the text is that of the appended tokens."""
+    engine = smollm2.llm_engine
+    tok = smollm2.get_tokenizer()
+    eos, dropped = engine.eos_token_ids[0], tok.encode(" dropped")[0]
+    with_extra_tokens(monkeypatch, engine, [eos, dropped])
+    accepted: list[int] = []
+    accept = engine.structured.accept
+    monkeypatch.setattr(engine.structured, "accept",
+                        lambda rid, state, token: (accepted.append(token), accept(rid, state, token)))
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["Paris", "London"]})
+    out = smollm2.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[1:] == [eos] and out.finish_reason == "stop"
+    assert accepted == out.token_ids
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)

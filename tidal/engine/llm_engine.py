@@ -243,14 +243,18 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if not batch.scheduled:  # nothing to run but requests whose grammars are compiling: wait for one
-            compiling = [r.structured for r in self.scheduler.waiting if r.structured is not None]
-            if compiling:
-                self.structured.wait_any(compiling)
+        if not batch.scheduled:
+            self._wait_for_a_grammar()
         self._add_grammar_bitmask(batch)
         result = self.runner.execute(batch)
-        appended = self.scheduler.update(batch, result.sampled, self._append_tokens)
+        appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
         return self._process_outputs(batch, result, appended)
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing to run but requests whose grammars are compiling: wait for one."""
+        compiling = [r.structured for r in self.scheduler.waiting if r.structured is not None]
+        if compiling:
+            self.structured.wait_any(compiling)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """The scheduler's hook for a request's sampled tokens: keep them up to the first stop
