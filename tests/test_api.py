@@ -102,7 +102,7 @@ def test_get_tokenizer_round_trips(smollm2):
     tok = smollm2.get_tokenizer()
     assert tok is smollm2.llm_engine.tokenizer
     assert tok.decode(tok.encode("Tidal serves tokens.")) == "Tidal serves tokens."
-    assert tok.eos_token_id == smollm2.llm_engine.eos_token_id
+    assert smollm2.llm_engine.eos_token_ids[0] == tok.eos_token_id
 
 
 def test_progress_bar_does_not_change_outputs(smollm2, capsys):

@@ -68,7 +68,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     # -- rules -----------------------------------------------------------------------------------
     @rule(target=requests, prompt=tokens_st)
     def add_request(self, prompt):
-        req = Request(f"r{self.next_id}", prompt, SamplingParams(max_tokens=None), eos_token_id=None)
+        req = Request(f"r{self.next_id}", prompt, SamplingParams(max_tokens=None))
         self.next_id += 1
         self.live[req.request_id] = req
         return req

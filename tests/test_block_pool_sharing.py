@@ -10,6 +10,8 @@ Two hypothesis tests drive random operations against a model of what the blocks 
 """
 from __future__ import annotations
 
+from functools import partial
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -17,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tidal.core.block_pool import BlockPool
 from tidal.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from tidal.core.scheduler import Scheduler
+from tidal.engine.stop_checker import append_tokens
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tests.helpers import WorkerMirror
@@ -27,7 +30,14 @@ BS = 4
 def make_request(rid: str, tokens: list[int], salt: str | None = None, prompt_logprobs: int | None = None,
                  max_tokens: int = 4) -> Request:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
-    return Request(rid, tokens, params, eos_token_id=None, cache_salt=salt)
+    return Request(rid, tokens, params, cache_salt=salt)
+
+
+def update(sched: Scheduler, batch, sampled: dict[str, int]) -> list:
+    """Scheduler.update as the engine calls it, with one sampled token per request and the engine's
+    stop checker (no text: no stop strings)."""
+    return sched.update(batch, {rid: [t] for rid, t in sampled.items()},
+                        partial(append_tokens, max_model_len=sched.max_model_len))
 
 
 def admit(kv: KVCacheManager, req: Request, num_new: int | None = None):
@@ -182,9 +192,9 @@ def run_workload(specs, num_blocks, budget, max_num_seqs, sample_tokens):
                 assert kv_slots.get(slot) == (salts[sr.request_id], tuple(req.all_token_ids[:p + 1])), \
                     f"{sr.request_id} reads wrong KV at position {p}"
         check_sharing(sched, kv, salts)
-        sampled = {sr.request_id: [sample_tokens[(step + sr.num_tokens) % len(sample_tokens)]]
+        sampled = {sr.request_id: sample_tokens[(step + sr.num_tokens) % len(sample_tokens)]
                    for sr in out.scheduled if sr.sample}
-        sched.update(out, sampled)
+        update(sched, out, sampled)
         check_sharing(sched, kv, salts)
     assert not sched.has_unfinished_requests(), "workload did not finish"
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks), "ref counts must return to zero"
@@ -338,7 +348,7 @@ def test_lookup_is_counted_once_per_admission():
         out = sched.schedule()
         for sr in out.scheduled:
             admitted_at.setdefault(sr.request_id, (step, sr.start_pos))
-        sched.update(out, {sr.request_id: [1] for sr in out.scheduled if sr.sample})
+        update(sched, out, {sr.request_id: 1 for sr in out.scheduled if sr.sample})
     assert not sched.has_unfinished_requests()
     assert admitted_at == {"a": (0, 0), "b": (3, 8)}  # b waited three steps for a's blocks
     assert (kv.prefix_queries, kv.prefix_hits) == (12 + 15, 8)

@@ -6,11 +6,14 @@ requests are admitted first-come-first-served; every request finishes with exact
 (or is aborted); and all blocks are free at the end."""
 from __future__ import annotations
 
+from functools import partial
+
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
+from tidal.engine.stop_checker import append_tokens
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tests.helpers import WorkerMirror
@@ -23,8 +26,15 @@ def fake_token(request_id: str, position: int) -> int:
     return 1 + (sum(map(ord, request_id)) + position) % 3
 
 
+def update(scheduler: Scheduler, batch, sampled: dict[str, int]) -> list:
+    """Scheduler.update as the engine calls it, with one sampled token per request and the engine's
+    stop checker (no text: no stop strings)."""
+    return scheduler.update(batch, {rid: [t] for rid, t in sampled.items()},
+                            partial(append_tokens, max_model_len=scheduler.max_model_len))
+
+
 def make_request(i: int, prompt: list[int], max_tokens: int, **params) -> Request:
-    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS,
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=(EOS,),
                    arrival_time=float(i))
 
 
@@ -71,9 +81,9 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
         for b in set(in_tables):
             assert kv.pool.blocks[b].ref_cnt == in_tables.count(b)
         kv.pool.check_invariants()
-        sampled = {sr.request_id: [fake_token(sr.request_id, sr.start_pos + sr.num_tokens)]
+        sampled = {sr.request_id: fake_token(sr.request_id, sr.start_pos + sr.num_tokens)
                    for sr in batch.scheduled if sr.sample}
-        scheduler.update(batch, sampled)
+        update(scheduler, batch, sampled)
         step += 1
     assert step < max_steps, "the scheduler stopped making progress"
     return admission_order, all_requests
@@ -129,7 +139,7 @@ def test_long_prompt_is_chunked_while_decodes_keep_running():
     short = make_request(0, [1, 2, 3], max_tokens=20)
     scheduler.add_request(short)
     batch = scheduler.schedule()
-    scheduler.update(batch, {"r0": [5]})
+    update(scheduler, batch, {"r0": 5})
     long = make_request(1, list(range(1, 41)), max_tokens=2)
     scheduler.add_request(long)
     chunks = []
@@ -139,7 +149,7 @@ def test_long_prompt_is_chunked_while_decodes_keep_running():
         assert by_id["r0"].num_tokens == 1, "the decode runs in every step"
         chunks.append(by_id["r1"].num_tokens)
         assert batch.num_batched_tokens <= 8
-        scheduler.update(batch, {sr.request_id: [5] for sr in batch.scheduled if sr.sample})
+        update(scheduler, batch, {sr.request_id: 5 for sr in batch.scheduled if sr.sample})
     assert chunks == [7] * 5 + [5]
     assert sum(chunks) == 40
 
@@ -156,7 +166,7 @@ def test_max_num_seqs_caps_running_and_admits_in_order():
         for sr in batch.scheduled:
             if sr.request_id not in order:
                 order.append(sr.request_id)
-        scheduler.update(batch, {sr.request_id: [7] for sr in batch.scheduled if sr.sample})
+        update(scheduler, batch, {sr.request_id: 7 for sr in batch.scheduled if sr.sample})
     assert order == ["r0", "r1", "r2", "r3", "r4"]
     assert kv.pool.num_free_blocks == 64
 
@@ -170,7 +180,7 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
         scheduler.add_request(r)
     batch = scheduler.schedule()  # all three prefills: 2 blocks each, pool exhausted
     assert [sr.request_id for sr in batch.scheduled] == ["r0", "r1", "r2"]
-    scheduler.update(batch, {sr.request_id: [5] for sr in batch.scheduled})
+    update(scheduler, batch, {sr.request_id: 5 for sr in batch.scheduled})
     batch = scheduler.schedule()  # r0 needs a third block: r2 (newest) is preempted
     assert batch.preempted_ids == ["r2"]
     assert scheduler.waiting[0] is reqs[2] and reqs[2].status == RequestStatus.PREEMPTED
@@ -188,7 +198,7 @@ def test_eos_and_stop_token_ids_finish_after_min_tokens():
         scheduler.add_request(r)
     while scheduler.has_unfinished_requests():
         batch = scheduler.schedule()
-        scheduler.update(batch, {sr.request_id: [{"r0": EOS, "r1": 9, "r2": EOS}[sr.request_id]]
+        update(scheduler, batch, {sr.request_id: {"r0": EOS, "r1": 9, "r2": EOS}[sr.request_id]
                                  for sr in batch.scheduled if sr.sample})
     assert eos.status == RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [EOS]
     assert stop.status == RequestStatus.FINISHED_STOPPED and stop.output_token_ids == [9, 9]
@@ -207,7 +217,7 @@ def test_abort_of_waiting_and_running_requests_frees_blocks():
     assert [sr.request_id for sr in batch.scheduled] == ["r0"] and kv.pool.num_free_blocks < 16
     scheduler.finish_request("r1", RequestStatus.FINISHED_ABORTED)
     scheduler.finish_request("r0", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.update(batch, {"r0": [4]}) == []  # its token arrives after the abort: dropped
+    assert update(scheduler, batch, {"r0": 4}) == []  # its token arrives after the abort: dropped
     assert running.output_token_ids == [] and not scheduler.has_unfinished_requests()
     assert kv.pool.num_free_blocks == 16
     assert scheduler.schedule().finished_ids == ["r1", "r0"]

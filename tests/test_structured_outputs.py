@@ -175,9 +175,9 @@ class _Compiling:
 
 def test_scheduler_admits_requests_behind_a_compiling_grammar():
     sched = Scheduler(KVCacheManager(64, 4, True), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-    blocked = Request("blocked", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=0)
+    blocked = Request("blocked", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_ids=(0,))
     blocked.structured = _Compiling()
-    free = Request("free", [4, 5, 6], SamplingParams(max_tokens=2), eos_token_id=0)
+    free = Request("free", [4, 5, 6], SamplingParams(max_tokens=2), eos_token_ids=(0,))
     sched.add_request(blocked)
     sched.add_request(free)
     assert [r.request_id for r in sched.schedule().scheduled] == ["free"]

@@ -1,8 +1,9 @@
 """Request: the engine's record of one sequence being generated.
 
 Plain Python over integers (no torch): token ids, how many of them have KV computed, status and
-stop state. The scheduler advances `num_computed_tokens`; sampled tokens are appended to
-`output_token_ids`. A preempted request keeps its output tokens and recomputes them later.
+stop state. The scheduler advances `num_computed_tokens`; the tokens a step keeps (see
+tidal/engine/stop_checker.py) are appended to `output_token_ids`. A preempted request keeps its
+output tokens and recomputes them later.
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: int | None = None, arrival_time: float | None = None,
+                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
                  cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)  # any of them ends the output, unless ignore_eos
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.cache_salt = cache_salt
         self.output_token_ids: list[int] = []

@@ -11,8 +11,8 @@ No request is ever dropped.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.core.kv_cache_manager import KVCacheManager
@@ -235,49 +235,31 @@ class Scheduler:
                        request.request_id, request.num_tokens, self.num_preemptions)
 
     # -- after the forward -----------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, check token-level stops and free finished
-        requests. Returns the requests that received a token this step."""
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+               append: Callable[[Request, list[int]], list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance each scheduled request's computed tokens, hand the tokens sampled for it to
+        `append` (which appends those it keeps and marks the request finished at a stop: the
+        engine's stop checker, tidal/engine/stop_checker.py) and free the requests that finished.
+        Returns (request, tokens appended) for the requests that received tokens this step."""
         updated = []
-        now = time.time()
         for sr in output.scheduled:
             request = self.requests.get(sr.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted meanwhile
-            tokens = sampled.get(sr.request_id)
+            token_ids = sampled.get(sr.request_id)
             # drafts the runner rejected have KV computed that no token will use: not computed
-            rejected = len(sr.spec_token_ids) - (len(tokens) - 1) if tokens else 0
+            rejected = max(0, len(sr.spec_token_ids) - (len(token_ids) - 1)) if token_ids else 0
             request.num_computed_tokens += sr.num_tokens - rejected
-            if not tokens:
+            if not token_ids:
                 continue
-            for token in tokens:
-                request.append_output_token(token)
-                status = self._check_stop(request, token)
-                if status is not None:
-                    break
-            request.last_token_time = now
-            if status is not None:
+            kept = append(request, token_ids)
+            if request.is_finished:
                 self.running.remove(request)
                 del self.requests[request.request_id]
-                request.status = status
                 self._release(request)
                 self._finished_ids.append(request.request_id)
-            updated.append(request)
+            updated.append((request, kept))
         return updated
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # -- stats -----------------------------------------------------------------------------------
     @property

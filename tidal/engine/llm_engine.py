@@ -18,7 +18,9 @@ from tidal.core.state_checkpoints import StateCheckpoints
 from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.stats import EngineStats
+from tidal.engine.stop_checker import append_tokens
 from tidal.loader import load_model
+from tidal.loader.loader import load_generation_config
 from tidal.outputs import RequestOutput
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
@@ -30,6 +32,29 @@ from tidal.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+
+
+def resolve_eos_token_ids(tokenizer, model_config, generation_config: dict, vocab_size: int) -> tuple[int, ...]:
+    """Every id that ends a turn, as vLLM stops on them all: the tokenizer's eos, then the
+    `eos_token_id` of generation_config.json and of config.json (each an int or a list; e.g.
+    Llama-3 instruct lists <|eot_id|> and <|eom_id|>), in that order, without repeats.
+
+        >>> from types import SimpleNamespace as NS
+        >>> resolve_eos_token_ids(NS(eos_token_id=2), NS(eos_token_id=[2, 7]), {"eos_token_id": 5}, 100)
+        (2, 5, 7)
+    """
+    found = [getattr(tokenizer, "eos_token_id", None)]
+    for eos in (generation_config.get("eos_token_id"), getattr(model_config, "eos_token_id", None)):
+        found.extend(eos if isinstance(eos, (list, tuple)) else [eos])
+    ids: list[int] = []
+    for t in found:
+        if not isinstance(t, int) or isinstance(t, bool) or t in ids:
+            continue
+        if 0 <= t < vocab_size:
+            ids.append(t)
+        else:  # the sampler masks stop ids by index (min_tokens): one outside the logits cannot be used
+            logger.warning("ignoring EOS token id %d: outside the vocabulary [0, %d)", t, vocab_size)
+    return tuple(ids)
 
 
 class LLMEngine:
@@ -46,13 +71,13 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self.max_model_len = self._max_model_len(hf)
         config.max_model_len = self.max_model_len
-        self.eos_token_id = self._eos_token_id()
+        self.eos_token_ids = self._eos_token_ids(loaded.path)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         config.max_num_batched_tokens = self.max_num_batched_tokens  # the workers size their buffers by it
         if workers:  # same interface as a ModelRunner: execute / kv_bytes_per_token / allocate_kv_cache
-            self.runner = self.executor = create_executor(config, self.eos_token_id)
+            self.runner = self.executor = create_executor(config, self.eos_token_ids)
         else:
-            self.runner = ModelRunner.from_config(loaded, config, self.eos_token_id)
+            self.runner = ModelRunner.from_config(loaded, config, self.eos_token_ids)
             self.executor = UniProcExecutor(self.runner)
         budget = config.kv_cache_memory_bytes
         if budget is None:  # measured now that the weights are loaded (on CUDA, after a profiling forward)
@@ -74,8 +99,7 @@ class LLMEngine:
             from tidal.layers import cpu_kernels
             logger.info(cpu_kernels.describe())
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                  [self.eos_token_id] if self.eos_token_id is not None else [])
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
         self.stats = EngineStats()
         self._next_id = 0
         logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
@@ -127,13 +151,12 @@ class LLMEngine:
                              "positions")
         return self.config.max_model_len
 
-    def _eos_token_id(self) -> int | None:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model_config, "eos_token_id", None)
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-        return eos
+    def _eos_token_ids(self, path: str) -> tuple[int, ...]:
+        ids = resolve_eos_token_ids(self.tokenizer, self.model_config, load_generation_config(path), self.vocab_size)
+        names = [self.tokenizer.convert_ids_to_tokens(t) for t in ids] if self.tokenizer is not None else []
+        logger.info("EOS token ids: %s%s", list(ids) or "none (outputs end at max_tokens or max_model_len)",
+                    f" {names}" if names else "")
+        return ids
 
     # -- requests --------------------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -195,7 +218,7 @@ class LLMEngine:
         for i, cid in enumerate(child_ids):
             p = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)
-            request = Request(cid, ids, p, self.eos_token_id, arrival_time, cache_salt)
+            request = Request(cid, ids, p, self.eos_token_ids, arrival_time, cache_salt)
             if p.structured_outputs is not None:
                 request.structured = self.structured.start(p.structured_outputs)
             self.scheduler.add_request(request)
@@ -220,17 +243,29 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if not batch.scheduled:  # nothing to run but requests whose grammars are compiling: wait for one
-            compiling = [r.structured for r in self.scheduler.waiting if r.structured is not None]
-            if compiling:
-                self.structured.wait_any(compiling)
+        if not batch.scheduled:
+            self._wait_for_a_grammar()
         self._add_grammar_bitmask(batch)
         result = self.runner.execute(batch)
-        updated = self.scheduler.update(batch, result.sampled)
-        for request in updated:
-            if request.structured is not None:
-                self.structured.accept(request.request_id, request.structured, request.output_token_ids[-1])
-        return self._process_outputs(batch, result, updated)
+        appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
+        return self._process_outputs(batch, result, appended)
+
+    def _wait_for_a_grammar(self) -> None:
+        """Nothing to run but requests whose grammars are compiling: wait for one."""
+        compiling = [r.structured for r in self.scheduler.waiting if r.structured is not None]
+        if compiling:
+            self.structured.wait_any(compiling)
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """The scheduler's hook for a request's sampled tokens: keep them up to the first stop
+        (tidal/engine/stop_checker.py, which extends the sample's text as it goes) and move its
+        grammar over exactly the tokens kept."""
+        text = self.output_processor.sample_text(request.request_id)
+        kept = append_tokens(request, token_ids, self.max_model_len, text)
+        if request.structured is not None:
+            for token in kept:
+                self.structured.accept(request.request_id, request.structured, token)
+        return kept
 
     def _add_grammar_bitmask(self, batch) -> None:
         ids, states = [], []
@@ -242,25 +277,15 @@ class LLMEngine:
         if states:
             batch.grammar_bitmask, batch.grammar_request_ids = self.structured.bitmask(states), ids
 
-    def _process_outputs(self, batch, result, updated: list[Request]) -> list[RequestOutput]:
+    def _process_outputs(self, batch, result, appended: list[tuple[Request, list[int]]]) -> list[RequestOutput]:
         op = self.output_processor
         for cid, entries in result.prompt_logprobs.items():
             if cid in op.child_to_parent:
                 op.add_prompt_logprobs(cid, entries)
         parents: dict[str, None] = {}  # ordered set
-        for request in updated:
-            lps = result.logprobs.get(request.request_id)
-            parent, stop = op.process_token(request, lps[-1] if lps else None)
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
-                # The token that reached max_tokens also completed a stop string: the text is cut
-                # there, so report the stop (as vLLM does). The scheduler has already let it go.
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            if request.is_finished:
-                op.finish_sample(request.request_id, request.finish_reason, request.stop_reason)
-            parents[parent] = None
+        for request, token_ids in appended:
+            logprobs = result.logprobs.get(request.request_id)  # one entry per sampled token
+            parents[op.process_tokens(request, token_ids, logprobs[:len(token_ids)] if logprobs else None)] = None
         outputs = []
         for parent in parents:
             out = op.make_output(parent)
@@ -268,7 +293,7 @@ class LLMEngine:
                 outputs.append(out)
                 if out.finished:
                     self.stats.record_finished(out)
-        self.stats.record_step(batch, len(updated), self.scheduler, self.kv_manager)
+        self.stats.record_step(batch, sum(len(t) for _, t in appended), self.scheduler, self.kv_manager)
         return outputs
 
     # -- misc ------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""OutputProcessor: turns sampled tokens into RequestOutputs — detokenization, stop strings,
-logprobs in vLLM's shape, streaming deltas, and the fan-in of a request's n parallel samples."""
+"""OutputProcessor: turns the tokens each request keeps into RequestOutputs — logprobs in vLLM's
+shape, streaming deltas, and the fan-in of a request's n parallel samples. Each sample owns an
+incremental detokenizer and its text; the stop checker (tidal/engine/stop_checker.py) extends them
+token by token, as it looks for stop strings, and cuts the text at one."""
 from __future__ import annotations
 
 import time
@@ -8,7 +10,7 @@ from dataclasses import dataclass, field
 from tidal.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal.request import Request
 from tidal.sampling_params import SamplingParams
-from tidal.tokenizer import IncrementalDetokenizer, check_stop_strings
+from tidal.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -81,36 +83,35 @@ class OutputProcessor:
             d.setdefault(target, Logprob(lp, rank, self._decode_one(target)))
             state.prompt_logprobs.append(d)
 
-    def process_token(self, request: Request, logprobs: tuple | None) -> tuple[str, str | None]:
-        """Record the newest token of a child request. Returns (parent request id, the stop string
-        if one was hit)."""
+    def sample_text(self, child_id: str) -> SampleState | None:
+        """The sample whose detokenizer and text the stop checker extends (None without text)."""
+        parent, index = self.child_to_parent[child_id]
+        sample = self.states[parent].samples[index]
+        return sample if sample.detok is not None else None
+
+    def process_tokens(self, request: Request, token_ids: list[int], logprobs: list[tuple] | None) -> str:
+        """Record the tokens a child request kept this step (its text is already extended by the stop
+        checker), one logprobs entry per token, and its finish if it finished. Returns the parent
+        request id."""
         parent, index = self.child_to_parent[request.request_id]
         state = self.states[parent]
         sample = state.samples[index]
-        token = request.output_token_ids[-1]
         now = time.time()
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.metrics.last_token_time = now
         if index == 0:  # sample 0 computes the prompt; later samples hit its blocks, not earlier requests'
             state.num_cached_tokens = max(request.num_cached_tokens, 0)
-        sample.token_ids.append(token)
+        sample.token_ids.extend(token_ids)
         if logprobs is not None and sample.logprobs is not None:
-            top_ids, top_vals, lp, rank = logprobs
-            d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
-            d.setdefault(token, Logprob(lp, rank, self._decode_one(token)))
-            sample.logprobs.append(d)
-            sample.cumulative_logprob += lp
-        hit = None
-        if sample.detok is not None:
-            piece = sample.detok.add(token)
-            sample.text += piece
-            stop = check_stop_strings(sample.text, len(piece), state.params.stop,
-                                      state.params.include_stop_str_in_output)
-            if stop is not None and request.num_output_tokens >= state.params.min_tokens:
-                hit, cut = stop
-                sample.text = sample.text[:cut]
-        return parent, hit
+            for token, (top_ids, top_vals, lp, rank) in zip(token_ids, logprobs):
+                d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
+                d.setdefault(token, Logprob(lp, rank, self._decode_one(token)))
+                sample.logprobs.append(d)
+                sample.cumulative_logprob += lp
+        if request.is_finished:
+            self.finish_sample(request.request_id, request.finish_reason, request.stop_reason)
+        return parent
 
     def finish_sample(self, child_id: str, finish_reason: str, stop_reason=None) -> None:
         parent, index = self.child_to_parent.pop(child_id)

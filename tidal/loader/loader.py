@@ -71,6 +71,22 @@ def load_config(path: str):
         raise ValueError(f"cannot read config of {path!r} (architectures {archs}): {e}") from e
 
 
+def load_generation_config(path: str) -> dict:
+    """The model folder's generation_config.json as a dict ({} when there is none). Its
+    `eos_token_id` (an int or a list) names the tokens that end a turn, beyond the tokenizer's eos:
+    Llama-3 instruct lists <|eot_id|> and <|eom_id|>, Qwen2.5 two end tokens."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.exists(file):
+        return {}
+    try:
+        with open(file) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring %s: %s", file, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 

@@ -96,12 +96,12 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     return ModelMeta(config, load_tokenizer(path), path, name, act_dtype)
 
 
-def create_executor(config: EngineConfig, eos_token_id: int | None):
+def create_executor(config: EngineConfig, eos_token_ids: tuple[int, ...]):
     backend = config.distributed_executor_backend or "mp"
     if backend == "ray":
         from tidal.worker.ray_executor import RayExecutor
-        return RayExecutor(config, eos_token_id)
-    return MultiprocExecutor(config, eos_token_id)
+        return RayExecutor(config, eos_token_ids)
+    return MultiprocExecutor(config, eos_token_ids)
 
 
 class Executor:
@@ -173,7 +173,7 @@ def _threads_per_worker(world: int) -> int | None:
 
 
 # -- multiprocessing -----------------------------------------------------------------------------
-def _worker_main(conn, config: EngineConfig, rank: int, eos_token_id, timeout_s: float,
+def _worker_main(conn, config: EngineConfig, rank: int, eos_token_ids, timeout_s: float,
                  num_threads: int | None, local_rank: int | None = None) -> None:
     """A worker process: answer (method, args) messages from the driver until told to stop or the
     driver goes away. Every message gets exactly one reply: ("ok", result) or ("error", text)."""
@@ -181,7 +181,7 @@ def _worker_main(conn, config: EngineConfig, rank: int, eos_token_id, timeout_s:
 
     from tidal.worker.worker import Worker
     logging.basicConfig(level=os.environ.get("TIDAL_LOG_LEVEL", "WARNING"))
-    worker = Worker(config, rank, eos_token_id, timeout_s, num_threads, local_rank)
+    worker = Worker(config, rank, eos_token_ids, timeout_s, num_threads, local_rank)
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
@@ -222,7 +222,7 @@ def _reap(procs, conns, grace_s: float = 3.0) -> None:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
         import torch.multiprocessing as mp
         self.world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.device = config.device
@@ -243,7 +243,7 @@ class MultiprocExecutor(Executor):
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, name=f"tidal-worker-{rank}", daemon=True,
-                            args=(child, config, rank, eos_token_id, self.timeout_s, threads, rank))
+                            args=(child, config, rank, eos_token_ids, self.timeout_s, threads, rank))
             p.start()
             child.close()  # the driver keeps only its end: a dead worker then reads as EOF
             self.procs.append(p)

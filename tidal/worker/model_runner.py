@@ -48,7 +48,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, block_size: int, seed: int = 0,
-                 eos_token_id: int | None = None, kv_cache_dtype: torch.dtype | None = None,
+                 eos_token_ids: tuple[int, ...] = (), kv_cache_dtype: torch.dtype | None = None,
                  max_num_seqs: int = 256, max_model_len: int = 2048, max_num_batched_tokens: int = 2048) -> None:
         self.model = model
         self.dtype = dtype
@@ -56,7 +56,7 @@ class ModelRunner:
         # token, the same as a bf16 model's, rounded as the model's weights are
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
@@ -72,10 +72,10 @@ class ModelRunner:
         self.num_blocks = 0
 
     @classmethod
-    def from_config(cls, loaded, config, eos_token_id: int | None) -> ModelRunner:
+    def from_config(cls, loaded, config, eos_token_ids: tuple[int, ...]) -> ModelRunner:
         """For a LoadedModel (tidal/loader) under an EngineConfig whose max_model_len and
         max_num_batched_tokens the engine has resolved."""
-        return cls(loaded.model, loaded.dtype, config.block_size, config.seed, eos_token_id,
+        return cls(loaded.model, loaded.dtype, config.block_size, config.seed, eos_token_ids,
                    kv_cache_dtype=loaded.weight_dtype, max_num_seqs=config.max_num_seqs,
                    max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens)
 
@@ -265,8 +265,8 @@ class ModelRunner:
             if gen is None:
                 gen = self.generators[r.request_id] = torch.Generator(self.device).manual_seed(p.seed)
         stop_ids = list(p.stop_token_ids)
-        if not p.ignore_eos and self.eos_token_id is not None:
-            stop_ids.append(self.eos_token_id)
+        if not p.ignore_eos:
+            stop_ids.extend(self.eos_token_ids)
         known = self.input_batch.tokens(r.request_id).tolist() if p.has_penalties else None
         num_output = r.start_pos + r.num_tokens - len(r.spec_token_ids) - state.num_prompt_tokens
         return [SamplingRow(p, gen, known + r.spec_token_ids[:j] if known is not None else None,

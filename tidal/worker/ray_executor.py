@@ -40,7 +40,7 @@ class RayExecutor(Executor):
     """Workers as Ray actors, one CPU bundle each, packed onto as few nodes as possible. Uses the
     cluster this process is connected to, else `ray.init()` (RAY_ADDRESS, or a local instance)."""
 
-    def __init__(self, config: EngineConfig, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
         try:
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -67,7 +67,7 @@ class RayExecutor(Executor):
             for rank in range(self.world):
                 strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
                 self.actors.append(remote_worker.options(scheduling_strategy=strategy).remote(
-                    config, rank, eos_token_id, self.timeout_s, threads, 0))
+                    config, rank, eos_token_ids, self.timeout_s, threads, 0))
             # rank 0 hosts the rendezvous, on whichever node Ray placed it
             # starting actors (a Python process each, importing torch) is slow on a loaded machine
             init_method = ray.get(self.actors[0].get_rendezvous.remote(),

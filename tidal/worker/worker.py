@@ -39,12 +39,12 @@ class WorkerInfo:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int, eos_token_id: int | None, timeout_s: float = 60.0,
+    def __init__(self, config: EngineConfig, rank: int, eos_token_ids: tuple[int, ...], timeout_s: float = 60.0,
                  num_threads: int | None = None, local_rank: int | None = None) -> None:
         """local_rank: this rank's GPU index on its machine (default: rank); unused on CPU."""
         self.config, self.rank = config, rank
         self.local_rank = rank if local_rank is None else local_rank
-        self.eos_token_id, self.timeout_s, self.num_threads = eos_token_id, timeout_s, num_threads
+        self.eos_token_ids, self.timeout_s, self.num_threads = eos_token_ids, timeout_s, num_threads
         self.tp_size, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         self.pp_rank, self.tp_rank = divmod(rank, self.tp_size)
         # micro-batches per step under pipeline parallelism (1 turns the overlap off, for measuring it)
@@ -71,7 +71,7 @@ class Worker:
                          backend="nccl" if device.type == "cuda" else "gloo")
         loaded = load_model(self.config.model, self.config.dtype, device=device)
         model = loaded.model
-        self.runner = ModelRunner.from_config(loaded, self.config, self.eos_token_id)
+        self.runner = ModelRunner.from_config(loaded, self.config, self.eos_token_ids)
         stack = next((m for m in model.modules() if hasattr(m, "start_layer")), None)  # LlamaModel, MambaModel...
         layers = ((stack.start_layer, stack.end_layer) if stack is not None  # models without stages hold every layer
                   else (0, getattr(loaded.config, "num_hidden_layers", 0)))
