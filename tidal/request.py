@@ -49,6 +49,9 @@ class Request:
         # structured outputs: an object with `.ready` (its grammar has compiled); the engine's
         # StructuredOutputManager owns what is behind it
         self.structured = None
+        # draft tokens proposed for the next step (speculative decoding): computed after the known tokens,
+        # kept only as far as the model agrees; the scheduler hands them to the step that runs them
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

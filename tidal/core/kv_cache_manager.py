@@ -84,10 +84,13 @@ class KVCacheManager:
         return max(0, -(-total_tokens // self.block_size) - have)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
-        """Give the request room for num_new_tokens more tokens (after any prefix-cache hits).
+                       new_computed_blocks: list[KVCacheBlock] = (),
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Give the request room for num_new_tokens more tokens (after any prefix-cache hits), and for
+        num_lookahead_tokens past them (draft tokens, whose KV is computed before they are accepted).
+        Only blocks full of known tokens enter the prefix cache, never one holding a draft's KV.
         Returns the new blocks, or None (and changes nothing) if the pool cannot supply them."""
-        num_new_blocks = self.num_blocks_needed(request, num_new_tokens, new_computed_blocks)
+        num_new_blocks = self.num_blocks_needed(request, num_new_tokens + num_lookahead_tokens, new_computed_blocks)
         # Reviving an unreferenced cached block takes it out of the free queue too.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:

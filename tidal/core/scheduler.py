@@ -125,20 +125,25 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
 
-        # 1. running requests, in admission order
+        # 1. running requests, in admission order; drafts ride along once the known tokens all fit
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            num_known = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_spec = 0
+            if request.spec_token_ids and num_known == request.num_tokens - request.num_computed_tokens:
+                num_spec = max(0, min(len(request.spec_token_ids), budget - num_known,
+                                      self.max_model_len - request.num_tokens))
+            while self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_spec) is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                scheduled.append((request, num_new))
-                budget -= num_new
+                request.spec_token_ids = request.spec_token_ids[:num_spec]
+                scheduled.append((request, num_known + num_spec))
+                budget -= num_known + num_spec
                 i += 1
                 continue
             break
@@ -186,6 +191,7 @@ class Scheduler:
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start, rid = request.num_computed_tokens, request.request_id
+        spec, request.spec_token_ids = request.spec_token_ids, []  # drafts are good for one step
         block_ids = self.kv.get_block_ids(rid)
         sent = self._sent.get(rid)
         new = None
@@ -197,11 +203,12 @@ class Scheduler:
             request_id=rid,
             num_tokens=num_new,
             start_pos=start,
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new - len(spec) == request.num_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             new_token_ids=request.all_token_ids[sent[0]:],
             new_block_ids=block_ids[sent[1]:],
             new=new,
+            spec_token_ids=spec,
             state_restore_from=self._state_restores.pop(rid, None),
             state_checkpoint=self._state_checkpoint(request, num_new),
         )
@@ -226,6 +233,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -102,6 +102,9 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
         self.stats = EngineStats()
         self._next_id = 0
+        # speculative decoding: an object with propose(request) -> draft token ids for its next tokens
+        # (tidal/engine/proposer.py); None runs one token per request per step
+        self.proposer = None
         logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
                     "tokens = %d tokens (%.1f requests of max_model_len)", time.perf_counter() - t0,
                     self.model_name, str(self.dtype).removeprefix("torch."), config.device, self.max_model_len,
@@ -242,6 +245,8 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             self._wait_for_a_grammar()
@@ -266,6 +271,16 @@ class LLMEngine:
             for token in kept:
                 self.structured.accept(request.request_id, request.structured, token)
         return kept
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for running requests that are decoding. Not for requests with a grammar (their
+        drafts would need the grammar's state at each draft) nor on models with Mamba layers (a rejected
+        draft would have advanced the recurrent state)."""
+        if self.scheduler.state_pool is not None:
+            return
+        for request in self.scheduler.running:
+            if request.structured is None and request.num_computed_tokens == request.num_tokens - 1:
+                request.spec_token_ids = list(self.proposer.propose(request))
 
     def _add_grammar_bitmask(self, batch) -> None:
         ids, states = [], []
