@@ -179,3 +179,18 @@ def test_prompt_chunk_tokens_attended_in_tiles_equal_each_token_alone(dtype, cac
     reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables[index], lens, 100, d ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(batched.float(), reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])  # lane multiples and ragged tails
+def test_argmax_rows_matches_torch_and_takes_the_first_maximum(dtype, vocab):
+    torch.manual_seed(0)
+    x = torch.randn(37, vocab).to(dtype)
+    x[3, :] = 1.0                          # a row of ties: the first index
+    x[5, vocab // 2] = x[5].max() + 1      # a maximum in the middle
+    x[6, -1] = x[6].max() + 1              # ... and in the tail
+    x[7, 0] = float("nan")                 # a NaN never wins
+    want = x.float().nan_to_num(nan=-float("inf")).argmax(-1)
+    got = cpu_kernels.argmax_rows(x)
+    assert got is not None and torch.equal(got, want)
+    assert got[3] == 0

@@ -1,7 +1,8 @@
 """Native CPU kernels, built by tidal/native.py (one build per ISA level: AVX2, AVX-512, AVX-512 BF16),
 with thin wrappers that return None (or False) when the kernel cannot run so callers fall back to torch
 ops:
-    csrc/cpu_kernels.cpp   paged attention, fused residual + RMSNorm, rotary, KV-cache writes, silu-and-mul
+    csrc/cpu_kernels.cpp   paged attention, fused residual + RMSNorm, rotary, KV-cache writes, silu-and-mul,
+                           greedy argmax over logits rows
     csrc/gemm.cpp          products with bf16 weights: fp32 activations (any number of rows; the path
                            of bf16 checkpoints on CPUs without native bf16), and bf16 activations of
                            one to four rows (decode of a few requests)
@@ -34,6 +35,9 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.tidal_vector_lanes.restype = ctypes.c_int
+    fn = lib.tidal_argmax_rows
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     fn = lib.tidal_write_kv
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
@@ -130,6 +134,19 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                        k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
                        _DTYPES[k_cache.dtype])
     return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, -1) for a contiguous fp32 or bf16 CPU tensor [R, V] (the first index of each row's
+    maximum), read once in its own dtype: greedy sampling without widening the logits to fp32 first.
+    None where the native kernel does not apply."""
+    lib = _lib_for(x)
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.tidal_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _DTYPES[x.dtype],
+                          torch.get_num_threads())
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

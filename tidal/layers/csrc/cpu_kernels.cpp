@@ -612,6 +612,41 @@ static void rms_norm(const void* x, const void* residual, const void* weight, vo
   }
 }
 
+// Greedy sampling: the index of each row's maximum (the first, as torch.argmax), reading the logits
+// once in their own dtype (a bf16 row of a 49152-token vocabulary is 96 KiB: it stays in L2 between the
+// two passes). NaN never wins.
+template <int DT> static void argmax_rows(const void* x, int64_t R, int64_t V, int64_t* out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (R * V > 65536)
+  for (int64_t r = 0; r < R; ++r) {
+    const char* row = static_cast<const char*>(x) + r * V * elem_size<DT>();
+    float m = -INFINITY;
+    int64_t i = 0;
+#if defined(TIDAL_VEC)
+    vf vm = simd::set1(-INFINITY);
+    for (; i + W <= V; i += W) vm = simd::max(loadv<DT>(row, i), vm);  // a NaN lane keeps vm
+    m = simd::reduce_max(vm);
+#endif
+    for (; i < V; ++i) m = std::max(m, load1<DT>(row, i));
+    int64_t idx = 0;
+    i = 0;
+#if defined(TIDAL_VEC)
+    const vf target = simd::set1(m);
+    for (; i + W <= V; i += W) {
+#if TIDAL_VEC == 16
+      const unsigned hit = _mm512_cmp_ps_mask(loadv<DT>(row, i), target, _CMP_EQ_OQ);
+#else
+      const unsigned hit = _mm256_movemask_ps(_mm256_cmp_ps(loadv<DT>(row, i), target, _CMP_EQ_OQ));
+#endif
+      if (hit) { idx = i + __builtin_ctz(hit); goto found; }
+    }
+#endif
+    for (; i < V; ++i)
+      if (load1<DT>(row, i) == m) { idx = i; goto found; }
+  found:
+    out[r] = idx;
+  }
+}
+
 extern "C" {
 // x [T, 2 * d] (gate, up); out [T, d]; dtype 0 f32, 1 bf16. Returns -1 where this build has no vector
 // path (the caller's torch ops are as fast there).
@@ -622,6 +657,12 @@ int tidal_silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int dtype
 #endif
   (void)x; (void)out; (void)T; (void)d; (void)dtype; (void)num_threads;
   return -1;
+}
+
+// x [R, V] fp32 or bf16 (dtype 0 / 1); out [R] int64.
+void tidal_argmax_rows(const void* x, int64_t R, int64_t V, int64_t* out, int dtype, int num_threads) {
+  if (dtype == kBF16) argmax_rows<kBF16>(x, R, V, out, num_threads);
+  else argmax_rows<kF32>(x, R, V, out, num_threads);
 }
 
 // The vector width this build runs (fp32 lanes): 16 (AVX-512), 8 (AVX2) or 1 (scalar code only).
