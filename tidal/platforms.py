@@ -5,24 +5,39 @@
     platform.describe()            # one line for the start-up log
 
 CpuPlatform uses the native kernels when they built for this CPU's ISA level (tidal/native.py), else
-torch's paths; CudaPlatform takes torch's paths (fused SDPA, cuBLAS). The GEMM path of each linear layer
+torch's paths; CudaPlatform takes torch's paths (fused SDPA, cuBLAS). `TIDAL_ATTENTION_BACKEND`
+(`cpu_native` or `torch_sdpa`, as vLLM's VLLM_ATTENTION_BACKEND) overrides the choice. The GEMM path of each linear layer
 is chosen by its weight's dtype and device (tidal/layers/linear.py); threads are set per worker
 (tidal/worker/executor.py).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tidal.layers.attention.backends import AttentionBackend, CPUNativeBackend, TorchSDPABackend
 
+BACKENDS = {b.name: b for b in (CPUNativeBackend, TorchSDPABackend)}
+
 
 class Platform:
     device_type = "base"
+    backends = ("torch_sdpa",)  # the backends that run on this device
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def attention_backend(self) -> AttentionBackend:
+        name = os.environ.get("TIDAL_ATTENTION_BACKEND")
+        if name:
+            if name not in self.backends:
+                raise ValueError(f"TIDAL_ATTENTION_BACKEND {name!r} does not run on {self.device_type}: choose one of "
+                                 f"{', '.join(self.backends)}")
+            return BACKENDS[name]()
+        return self.default_attention_backend()
+
+    def default_attention_backend(self) -> AttentionBackend:
         return TorchSDPABackend()
 
     def describe(self) -> str:
@@ -31,8 +46,9 @@ class Platform:
 
 class CpuPlatform(Platform):
     device_type = "cpu"
+    backends = ("cpu_native", "torch_sdpa")
 
-    def attention_backend(self) -> AttentionBackend:
+    def default_attention_backend(self) -> AttentionBackend:
         from tidal.layers import cpu_kernels
         # the native kernel attends every token in place (prompt chunks too): on the offline workload
         # 1.04-1.11x the throughput of torch's SDPA for chunks

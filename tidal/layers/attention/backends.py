@@ -71,14 +71,22 @@ class CPUNativeBackend(AttentionBackend):
 
 
 @dataclass
+class PrefillChunk:
+    """A prompt chunk of the batch: its queries are rows [query_start, query_start + query_len)."""
+    query_start: int
+    query_len: int
+    context_len: int             # tokens before the chunk, read from the cache
+    block_ids: torch.Tensor      # [ceil((context_len + query_len) / block_size)] int64, on the device
+
+
+@dataclass
 class TorchMetadata:
     slot_mapping: torch.Tensor
     num_decodes: int
     decode_tables: torch.Tensor | None      # [num_decodes, max_blocks] int64 (padded)
     decode_seq_lens: torch.Tensor | None    # [num_decodes] int64
     decode_max_seq_len: int
-    # the chunks: (query_start, query_len, context_len, block_ids [n] int64)
-    prefills: list[tuple[int, int, int, torch.Tensor]]
+    prefills: list[PrefillChunk]
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -89,8 +97,8 @@ class TorchSDPABackend(AttentionBackend):
         # the whole table on the device once; each chunk takes a view of its row
         table = to_device(step.block_table[torch.from_numpy(step.rows)], device)
         qsl, seq_lens = step.query_start_loc, step.seq_lens
-        prefills = [(int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i] - (qsl[i + 1] - qsl[i])),
-                     table[i, :-(-int(seq_lens[i]) // bs)]) for i in range(nd, len(step.reqs))]
+        prefills = [PrefillChunk(int(qsl[i]), int(qsl[i + 1] - qsl[i]), int(seq_lens[i] - (qsl[i + 1] - qsl[i])),
+                                 table[i, :-(-int(seq_lens[i]) // bs)]) for i in range(nd, len(step.reqs))]
         return TorchMetadata(
             slot_mapping=to_device(step.slot_mapping, device), num_decodes=nd,
             decode_tables=table[:nd] if nd else None,
@@ -109,13 +117,14 @@ class TorchSDPABackend(AttentionBackend):
         if n:
             out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.decode_tables, meta.decode_seq_lens,
                                        meta.decode_max_seq_len, layer.scale)
-        for q_start, q_len, ctx_len, block_ids in meta.prefills:
+        for chunk in meta.prefills:
+            q_start, q_len, ctx_len = chunk.query_start, chunk.query_len, chunk.context_len
             qs = q[q_start:q_start + q_len]
             if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache
                 ks = k[q_start:q_start + q_len].transpose(0, 1)
                 vs = v[q_start:q_start + q_len].transpose(0, 1)
             else:
-                ks, vs = gather_kv(k_cache, v_cache, block_ids, ctx_len + q_len)
+                ks, vs = gather_kv(k_cache, v_cache, chunk.block_ids, ctx_len + q_len)
                 ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a bf16 cache under fp32 activations
             out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, layer.scale)
         return out.view(T, -1)
