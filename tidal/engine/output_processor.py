@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tidal.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal.request import Request
 from tidal.sampling_params import SamplingParams
 from tidal.tokenizer import IncrementalDetokenizer, check_stop_strings
+
+if TYPE_CHECKING:
+    from tidal.layers.sampler import PromptTokenLogprobs, TokenLogprobs
 
 
 @dataclass
@@ -69,19 +73,19 @@ class OutputProcessor:
         return [c for c, (p, _) in self.child_to_parent.items() if p == request_id]
 
     # -- per step --------------------------------------------------------------------------------
-    def add_prompt_logprobs(self, child_id: str, entries: list) -> None:
+    def add_prompt_logprobs(self, child_id: str, entries: list[PromptTokenLogprobs]) -> None:
         parent, index = self.child_to_parent[child_id]
         state = self.states[parent]
         if index != 0 or state.prompt_logprobs is None:
             return
-        for pos, target, lp, rank, top_ids, top_vals in entries:
-            if pos != len(state.prompt_logprobs):  # already recorded (e.g. recomputed after preemption)
+        for e in entries:
+            if e.position != len(state.prompt_logprobs):  # already recorded (e.g. recomputed after preemption)
                 continue
-            d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
-            d.setdefault(target, Logprob(lp, rank, self._decode_one(target)))
+            d = self._logprob_dict(e.top_ids, e.top_logprobs, range(1, len(e.top_ids) + 1))
+            d.setdefault(e.token_id, Logprob(e.logprob, e.rank, self._decode_one(e.token_id)))
             state.prompt_logprobs.append(d)
 
-    def process_token(self, request: Request, logprobs: tuple | None) -> tuple[str, str | None]:
+    def process_token(self, request: Request, logprobs: TokenLogprobs | None) -> tuple[str, str | None]:
         """Record the newest token of a child request. Returns (parent request id, the stop string
         if one was hit)."""
         parent, index = self.child_to_parent[request.request_id]
@@ -96,11 +100,10 @@ class OutputProcessor:
             state.num_cached_tokens = max(request.num_cached_tokens, 0)
         sample.token_ids.append(token)
         if logprobs is not None and sample.logprobs is not None:
-            top_ids, top_vals, lp, rank = logprobs
-            d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
-            d.setdefault(token, Logprob(lp, rank, self._decode_one(token)))
+            d = self._logprob_dict(logprobs.top_ids, logprobs.top_logprobs, range(1, len(logprobs.top_ids) + 1))
+            d.setdefault(token, Logprob(logprobs.logprob, logprobs.rank, self._decode_one(token)))
             sample.logprobs.append(d)
-            sample.cumulative_logprob += lp
+            sample.cumulative_logprob += logprobs.logprob
         hit = None
         if sample.detok is not None:
             piece = sample.detok.add(token)

@@ -6,7 +6,7 @@ positions and slot_mapping are flat [num_tokens] tensors. Logits are computed on
 that sample (and at prompt rows of requests that asked for prompt logprobs).
 
 The runner runs where the model's weights are (CPU or CUDA): the KV cache, the Mamba state and the
-samplers' generators live there too. Each step's tensors are built on the host and copied once
+default generator lives there too. Each step's tensors are built on the host and copied once
 (tidal/device.py); what goes back to the engine is plain Python (token ids, logprob lists).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tidal.layers import cpu_kernels
 from tidal.layers.attention import Attention, AttentionMetadata
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
-from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
+from tidal.layers.sampler import PromptTokenLogprobs, Sampler, SamplingMetadata, TokenLogprobs, prompt_logprobs
 from tidal.sampling_params import SamplingParams
 from tidal.worker.memory import cache_budget_bytes, cuda_cache_budget_bytes
 
@@ -33,10 +33,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
-    # request id -> (top ids, top logprobs, sampled logprob, sampled rank)
-    logprobs: dict[str, tuple] = field(default_factory=dict)
-    # request id -> [(position, target id, logprob, rank, top ids, top logprobs), ...]
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> the prompt positions this step predicted
+    prompt_logprobs: dict[str, list[PromptTokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -52,10 +51,10 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
-        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
         # (a model on the meta device - shapes only, for sizing estimates - samples nothing)
         gen_device = "cpu" if self.device.type == "meta" else self.device
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
+        self.sampler = Sampler(self.default_generator)  # seeded rows need no generator of their own
         self.num_blocks = 0
 
     # -- KV cache --------------------------------------------------------------------------------
@@ -104,8 +103,8 @@ class ModelRunner:
                 rows = self._on_device(list(range(min(num_seqs, num_tokens))))
                 logits = self.model.compute_logits(hidden[rows]).float()
                 draw = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
-                sample(logits, [SamplingRow(draw, None, None, 0, 0, [])] * len(rows),
-                       torch.Generator(self.device).manual_seed(0))
+                Sampler(torch.Generator(self.device).manual_seed(0))(
+                    logits, SamplingMetadata.from_params([draw] * len(rows), self.device, logits.shape[-1]))
         finally:
             for a in self.attn_layers:
                 a.kv_cache = None
@@ -133,8 +132,6 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        for rid in so.finished_ids:
-            self.generators.pop(rid, None)
         out = RunnerOutput()
         if not so.scheduled:
             return out
@@ -151,8 +148,7 @@ class ModelRunner:
         rows = [starts[i] + len(r.token_ids) - 1 for i, r in enumerate(reqs) if r.sample]
         if sample_reqs:
             logits = self.model.compute_logits(hidden[self._on_device(rows)]).float()
-            result = sample(logits, [self._sampling_row(r) for r in sample_reqs], self.default_generator,
-                            self._grammar_rows(so, sample_reqs))
+            result = self.sampler(logits, self._sampling_metadata(so, sample_reqs, logits.shape[-1]))
             for r, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
                 out.sampled[r.request_id] = tok
                 if lp is not None:
@@ -229,21 +225,27 @@ class ModelRunner:
         """A list of ints (or bools) as a tensor on the device (int64 for ints, as torch.tensor makes it)."""
         return to_device(torch.tensor(values), self.device)
 
-    def _sampling_row(self, r: ScheduledRequest) -> SamplingRow:
-        p = r.sampling_params
-        gen = None
-        if p.seed is not None and not p.greedy:
-            gen = self.generators.get(r.request_id)
-            if gen is None:
-                gen = self.generators[r.request_id] = torch.Generator(self.device).manual_seed(p.seed)
-        num_tokens = r.start_pos + len(r.token_ids)
-        stop_ids = list(p.stop_token_ids)
-        if not p.ignore_eos and self.eos_token_id is not None:
-            stop_ids.append(self.eos_token_id)
-        return SamplingRow(p, gen, r.all_token_ids, r.num_prompt_tokens, num_tokens - r.num_prompt_tokens,
-                           stop_ids if p.min_tokens else [])
+    def _sampling_metadata(self, so: SchedulerOutput, sample_reqs: list[ScheduledRequest],
+                           vocab_size: int) -> SamplingMetadata:
+        """The sampling rows of this step, one per sampling request. A row's draw index is its
+        request's number of output tokens so far, which with its seed fixes its noise."""
+        params = [r.sampling_params for r in sample_reqs]
+        num_outputs = [r.start_pos + len(r.token_ids) - r.num_prompt_tokens for r in sample_reqs]
+        banned = []
+        for p, num_output in zip(params, num_outputs):
+            stop_ids = list(p.stop_token_ids)
+            if not p.ignore_eos and self.eos_token_id is not None:
+                stop_ids.append(self.eos_token_id)
+            banned.append(stop_ids if num_output < p.min_tokens else [])
+        all_ids = [r.all_token_ids or [] for r in sample_reqs]
+        return SamplingMetadata.from_params(
+            params, self.device, vocab_size,
+            prompt_token_ids=[ids[:r.num_prompt_tokens] for r, ids in zip(sample_reqs, all_ids)],
+            output_token_ids=[ids[r.num_prompt_tokens:] for r, ids in zip(sample_reqs, all_ids)],
+            banned_token_ids=banned, draw_index=num_outputs, grammar=self._grammar_rows(so, sample_reqs))
 
-    def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor, q_start: int) -> list:
+    def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor,
+                         q_start: int) -> list[PromptTokenLogprobs]:
         """Logprobs of the prompt tokens this chunk predicts: position p predicts token p + 1."""
         positions = [p for p in range(r.start_pos, r.start_pos + len(r.token_ids)) if p + 1 < r.num_prompt_tokens]
         if not positions:
@@ -252,6 +254,4 @@ class ModelRunner:
         targets = [r.prompt_token_ids[p + 1] for p in positions]
         logits = self.model.compute_logits(hidden[self._on_device(rows)]).float()
         k = r.sampling_params.prompt_logprobs
-        lps, ranks, top_ids, top_vals = prompt_logprobs(logits, self._on_device(targets), k)
-        return [(p + 1, t, lp, rk, ti, tv) for p, t, lp, rk, ti, tv in
-                zip(positions, targets, lps, ranks, top_ids, top_vals)]
+        return prompt_logprobs(logits, self._on_device(targets), k, [p + 1 for p in positions])
