@@ -309,15 +309,15 @@ _TOKEN_STEPS: dict[tuple[torch.device, int], torch.Tensor] = {}
 def seeded_exponential(seeds: torch.Tensor, draw_index: torch.Tensor, vocab: int) -> torch.Tensor:
     """[n, vocab] fp32 Exponential(1) noise, entry (i, t) a pure function of (seeds[i],
     draw_index[i], t): a row key mix(mix(seed) + (draw_index + 1) * golden), then splitmix64 of
-    key + (t + 1) * golden per token. The top 24 bits become u in (0, 1) and q = -log(u). Only
-    wrapping int64 arithmetic feeds u, so the bits are identical on every device."""
+    key + (t + 1) * golden per token, whose top 23 bits become q (see exponential_from_bits). Only
+    wrapping int64 arithmetic feeds those bits, so they are identical on every device."""
     device = seeds.device
     steps = _TOKEN_STEPS.get((device, vocab))
     if steps is None:  # [vocab]: (t + 1) * golden
         steps = _TOKEN_STEPS[(device, vocab)] = (torch.arange(1, vocab + 1, device=device) * _GOLDEN)
     key = _mix64(_mix64(seeds) + (draw_index + 1) * _GOLDEN)
     z = key.unsqueeze(1) + steps  # [n, vocab]
-    # splitmix64 of z, in place over the big tensor; its last xor-shift (by 31) cannot reach the top 24
+    # splitmix64 of z, in place over the big tensor; its last xor-shift (by 31) cannot reach the top 23
     # bits, which are all that is kept, so it is left out
     t = torch.empty_like(z)
     for bits, mul in ((30, _MUL1), (27, _MUL2)):
@@ -325,11 +325,21 @@ def seeded_exponential(seeds: torch.Tensor, draw_index: torch.Tensor, vocab: int
         t &= (1 << (64 - bits)) - 1
         z ^= t
         z *= mul
-    z >>= 40
-    z &= (1 << 24) - 1
-    u = z.to(torch.float32)
+    z >>= 64 - _UNIFORM_BITS
+    z &= (1 << _UNIFORM_BITS) - 1
+    return exponential_from_bits(z)
+
+
+_UNIFORM_BITS = 23
+
+
+def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Integers in [0, 2**23) -> q = -log(u), u = (bits + 0.5) / 2**23: u lies in [2**-24, 1 - 2**-24],
+    exactly representable in fp32, so q is finite and > 0 (with 24 bits u would round up to 1.0,
+    q to 0, and p / q to nan for a masked token)."""
+    u = bits.to(torch.float32)
     u += 0.5
-    u *= 2.0 ** -24
+    u *= 2.0 ** -_UNIFORM_BITS
     return u.log_().neg_()
 
 
