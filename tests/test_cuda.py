@@ -321,7 +321,7 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
 @requires_cuda
 def test_grammar_bitmask_on_cuda_matches_cpu():
     """Structured outputs: the sampler's bitmask (made on the host) masks CUDA logits as CPU ones."""
-    from tidal.layers.sampler import SamplingRow, apply_token_bitmask, sample
+    from tidal.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask
     g = torch.Generator().manual_seed(0)
     vocab = 1000
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
@@ -330,8 +330,25 @@ def test_grammar_bitmask_on_cuda_matches_cpu():
     apply_token_bitmask(logits, bitmask, [0, 2, 4])
     apply_token_bitmask(on_gpu, bitmask, [0, 2, 4])
     assert torch.equal(on_gpu.cpu(), logits)
-    rows = [SamplingRow(SamplingParams(temperature=t), None, None, 1, 0, []) for t in (0.0, 1.0, 1.0)]
-    out = sample(torch.randn(3, vocab, device="cuda"), rows, torch.Generator("cuda").manual_seed(0),
-                 (bitmask, [0, 1, 2]))
+    params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 1.0)]
+    meta = SamplingMetadata.from_params(params, "cuda", vocab, grammar=(bitmask, [0, 1, 2]))
+    out = Sampler(torch.Generator("cuda").manual_seed(0))(torch.randn(3, vocab, device="cuda"), meta)
     for i, tok in enumerate(out.token_ids):
         assert (int(bitmask[i, tok // 32]) >> (tok % 32)) & 1
+
+
+@requires_cuda
+def test_seeded_sampling_on_cuda_matches_cpu():
+    """Seeded noise is wrapping int64 arithmetic: the same bits on both devices, and so the same
+    seeded draws wherever the logits agree (here: the same logits, copied)."""
+    from tidal.layers.sampler import Sampler, SamplingMetadata, seeded_exponential
+    vocab = 49152
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in (0, 1, 2**63, 2**64 - 1)]
+    draws = [0, 5, 17, 2**33]
+    cpu = SamplingMetadata.from_params(params, "cpu", vocab, draw_index=draws)
+    gpu = SamplingMetadata.from_params(params, "cuda", vocab, draw_index=draws)
+    # u is exact on both devices; -log(u) may differ in the last bit between the two libms
+    assert torch.allclose(seeded_exponential(gpu.seeds, gpu.draw_index, vocab).cpu(),
+                          seeded_exponential(cpu.seeds, cpu.draw_index, vocab), rtol=1e-6, atol=0)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 2
+    assert Sampler(None)(logits.cuda(), gpu).token_ids == Sampler(None)(logits.clone(), cpu).token_ids

@@ -152,3 +152,21 @@ def test_draft_blocks_are_reserved_but_never_enter_the_prefix_cache():
     mirror.apply(so)
     (sr,) = so.scheduled
     assert (sr.start_pos, sr.num_tokens, mirror.step_tokens(sr)) == (10, 1, [60])
+
+
+@pytest.mark.parametrize("wrong_from", [K, 1])
+def test_seeded_random_sampling_is_unchanged_by_drafts(llm, wrong_from):
+    """A seeded row's noise depends on (seed, output index) only, so verifying drafts against tokens
+    sampled at their places reproduces the one-token-per-step stream exactly."""
+    engine = llm.llm_engine
+    prompts = random_prompts(4, 3, 30, engine.vocab_size, seed=6)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=15, ignore_eos=True)
+    engine.proposer = None
+    ref, _ = _run(llm, prompts, params)
+    reference = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, ref)}
+    engine.proposer = ScriptedProposer(reference, wrong_from, engine.vocab_size)
+    try:
+        got, _ = _run(llm, prompts, params)
+    finally:
+        engine.proposer = None
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]

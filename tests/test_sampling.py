@@ -1,17 +1,15 @@
 """SamplingParams validation and the sampler's behaviour through the engine: seeded requests are
 reproducible whatever shares their batch, top_k=1 (and a vanishing top_p, min_p=1) is greedy,
 logprobs come back in vLLM's shape, penalties and min_tokens do what they say, n=2 gives two
-samples."""
+samples. The batched sampler itself is tested directly in tests/test_sampler.py."""
 from __future__ import annotations
 
 import math
 
 import pytest
-import torch
 
 from tests.helpers import random_prompts, tiny_llm
 from tidal import Logprob, SamplingParams
-from tidal.layers.sampler import SamplingRow, apply_penalties
 
 # -- validation ----------------------------------------------------------------------------------------
 INVALID = [
@@ -172,18 +170,6 @@ def test_presence_penalty_changes_greedy_output_and_zero_penalties_do_not(llm, p
     def repeats(seqs):
         return sum(len(s) - len(set(s)) for s in seqs)
     assert repeats(penalised) < repeats(plain)
-
-
-def test_apply_penalties_follows_vllm_semantics():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0]])
-    prompt, output = [0, 1], [2, 2, 3]
-    row = SamplingRow(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
-                      None, prompt + output, num_prompt_tokens=2, num_output_tokens=3, stop_ids_before_min=[])
-    apply_penalties(logits, [row])
-    # repetition: over prompt + output, divide positive logits, multiply negative ones;
-    # presence / frequency: over output tokens only
-    expected = [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25 * 2, 1.0 / 2 - 0.5 - 0.25, 0.0]
-    assert logits[0].tolist() == pytest.approx(expected)
 
 
 def test_min_tokens_masks_stop_tokens(llm, prompts):

@@ -14,7 +14,7 @@ from tests.helpers import assert_engine_idle, save_tiny_model, tiny_config, tiny
 from tidal import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
-from tidal.layers.sampler import SamplingRow, apply_token_bitmask, sample
+from tidal.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask
 from tidal.request import Request
 
 PERSON = {
@@ -198,9 +198,11 @@ def test_bitmask_masks_only_its_rows_and_padded_columns():
     assert torch.equal(logits[[0, 2]], before[[0, 2]])
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == allowed
     # in the sampler: greedy and random rows both stay inside the mask
-    rows = [SamplingRow(SamplingParams(temperature=t), None, None, 1, 0, []) for t in (0.0, 1.0)]
+    params = [SamplingParams(temperature=t) for t in (0.0, 1.0)]
+    sampler = Sampler(torch.Generator().manual_seed(0))
     for _ in range(20):
-        out = sample(torch.randn(2, vocab), rows, torch.Generator().manual_seed(0), (words.repeat(2, 1), [0, 1]))
+        meta = SamplingMetadata.from_params(params, "cpu", vocab, grammar=(words.repeat(2, 1), [0, 1]))
+        out = sampler(torch.randn(2, vocab), meta)
         assert set(out.token_ids) <= set(allowed)
 
 

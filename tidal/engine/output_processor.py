@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tidal.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal.request import Request
 from tidal.sampling_params import SamplingParams
 from tidal.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from tidal.layers.sampler import PromptTokenLogprobs, TokenLogprobs
 
 
 @dataclass
@@ -71,16 +75,16 @@ class OutputProcessor:
         return [c for c, (p, _) in self.child_to_parent.items() if p == request_id]
 
     # -- per step --------------------------------------------------------------------------------
-    def add_prompt_logprobs(self, child_id: str, entries: list) -> None:
+    def add_prompt_logprobs(self, child_id: str, entries: list[PromptTokenLogprobs]) -> None:
         parent, index = self.child_to_parent[child_id]
         state = self.states[parent]
         if index != 0 or state.prompt_logprobs is None:
             return
-        for pos, target, lp, rank, top_ids, top_vals in entries:
-            if pos != len(state.prompt_logprobs):  # already recorded (e.g. recomputed after preemption)
+        for e in entries:
+            if e.position != len(state.prompt_logprobs):  # already recorded (e.g. recomputed after preemption)
                 continue
-            d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
-            d.setdefault(target, Logprob(lp, rank, self._decode_one(target)))
+            d = self._logprob_dict(e.top_ids, e.top_logprobs, range(1, len(e.top_ids) + 1))
+            d.setdefault(e.token_id, Logprob(e.logprob, e.rank, self._decode_one(e.token_id)))
             state.prompt_logprobs.append(d)
 
     def sample_text(self, child_id: str) -> SampleState | None:
@@ -89,7 +93,7 @@ class OutputProcessor:
         sample = self.states[parent].samples[index]
         return sample if sample.detok is not None else None
 
-    def process_tokens(self, request: Request, token_ids: list[int], logprobs: list[tuple] | None) -> str:
+    def process_tokens(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> str:
         """Record the tokens a child request kept this step (its text is already extended by the stop
         checker), one logprobs entry per token, and its finish if it finished. Returns the parent
         request id."""
@@ -104,11 +108,11 @@ class OutputProcessor:
             state.num_cached_tokens = max(request.num_cached_tokens, 0)
         sample.token_ids.extend(token_ids)
         if logprobs is not None and sample.logprobs is not None:
-            for token, (top_ids, top_vals, lp, rank) in zip(token_ids, logprobs):
-                d = self._logprob_dict(top_ids, top_vals, range(1, len(top_ids) + 1))
-                d.setdefault(token, Logprob(lp, rank, self._decode_one(token)))
+            for token, lp in zip(token_ids, logprobs):
+                d = self._logprob_dict(lp.top_ids, lp.top_logprobs, range(1, len(lp.top_ids) + 1))
+                d.setdefault(token, Logprob(lp.logprob, lp.rank, self._decode_one(token)))
                 sample.logprobs.append(d)
-                sample.cumulative_logprob += lp
+                sample.cumulative_logprob += lp.logprob
         if request.is_finished:
             self.finish_sample(request.request_id, request.finish_reason, request.stop_reason)
         return parent

@@ -11,7 +11,7 @@ sampled; the drafts are accepted up to the first that differs from the token sam
 and the tokens returned are the accepted drafts and the one sampled after them.
 
 The runner runs where the model's weights are (CPU or CUDA): the KV cache, the Mamba state and the
-samplers' generators live there too. Each step's tensors are built on the host and copied once
+default generator lives there too. Each step's tensors are built on the host and copied once
 (tidal/device.py); what goes back to the engine is plain Python (token ids, logprob lists).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tidal.forward_context import ForwardContext, set_forward_context
 from tidal.layers.attention import Attention
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
-from tidal.layers.sampler import SamplingRow, prompt_logprobs, sample
+from tidal.layers.sampler import PromptTokenLogprobs, Sampler, SamplingMetadata, TokenLogprobs, prompt_logprobs
 from tidal.platforms import get_platform
 from tidal.sampling_params import SamplingParams
 from tidal.worker.input_batch import InputBatch, StepInputs
@@ -40,10 +40,10 @@ logger = logging.getLogger(__name__)
 class RunnerOutput:
     # request id -> the tokens it got this step, in order (one, or accepted drafts and one more)
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    # request id -> per sampled token: (top ids, top logprobs, sampled logprob, sampled rank)
-    logprobs: dict[str, list[tuple]] = field(default_factory=dict)
-    # request id -> [(position, target id, logprob, rank, top ids, top logprobs), ...]
-    prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # request id -> per sampled token, in step with sampled
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> the prompt positions this step predicted
+    prompt_logprobs: dict[str, list[PromptTokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -65,10 +65,10 @@ class ModelRunner:
         # rows enough for the requests of a step and for the profiling forward's sequences
         rows = max(max_num_seqs, -(-max_num_batched_tokens // max_model_len))
         self.input_batch = InputBatch(rows, max_model_len, max(max_num_batched_tokens, max_num_seqs), block_size)
-        self.generators: dict[str, torch.Generator] = {}  # seeded requests' own, on the device
         # (a model on the meta device - shapes only, for sizing estimates - samples nothing)
         gen_device = "cpu" if self.device.type == "meta" else self.device
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
+        self.sampler = Sampler(self.default_generator)  # seeded rows need no generator of their own
         self.num_blocks = 0
 
     @classmethod
@@ -127,8 +127,8 @@ class ModelRunner:
                 rows = self._on_device(list(range(min(num_seqs, num_tokens))))
                 logits = self._compute_logits(hidden[rows])
                 draw = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
-                sample(logits, [SamplingRow(draw, None, None, 0, 0, [])] * len(rows),
-                       torch.Generator(self.device).manual_seed(0))
+                Sampler(torch.Generator(self.device).manual_seed(0))(
+                    logits, SamplingMetadata.from_params([draw] * len(rows), self.device, logits.shape[-1]))
         finally:
             for r in reqs:
                 self.input_batch.drop(r.request_id)
@@ -161,8 +161,6 @@ class ModelRunner:
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the step's deltas (new requests, appended tokens and blocks, finished ones)."""
         self.input_batch.update(so)
-        for rid in so.finished_ids:  # (a preempted request keeps its generator: its draws go on)
-            self.generators.pop(rid, None)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -187,16 +185,15 @@ class ModelRunner:
         # rows whose logits we need: each sampling request's last known token and its drafts
         reqs, starts = step.reqs, step.query_start_loc
         sample_reqs = [(i, r) for i, r in enumerate(reqs) if r.sample]
-        rows, sampling_rows = [], []
+        rows = []
         for i, r in sample_reqs:
             k = len(r.spec_token_ids)
             first = int(starts[i + 1]) - 1 - k
             rows.extend(range(first, first + k + 1))
-            sampling_rows.extend(self._sampling_rows(r))
         if rows:
             logits = self._compute_logits(hidden[self._on_device(rows)])
-            result = sample(logits, sampling_rows, self.default_generator,
-                            self._grammar_rows(so, [r for _, r in sample_reqs]))
+            sample_only = [r for _, r in sample_reqs]
+            result = self.sampler(logits, self._sampling_metadata(so, sample_only, logits.shape[-1]))
             j = 0
             for _, r in sample_reqs:
                 k = len(r.spec_token_ids)
@@ -231,9 +228,10 @@ class ModelRunner:
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over the rows that sample: one row per request (or per draft), never a prompt's
-        other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm)."""
+        other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm). In the model's
+        dtype: the sampler widens them where it needs to."""
         with set_forward_context(ForwardContext(hidden.shape[0], hidden.shape[0], [], skinny_gemm=True)):
-            return self.model.compute_logits(hidden).float()
+            return self.model.compute_logits(hidden)
 
     @staticmethod
     def _grammar_rows(so: SchedulerOutput | None, sample_reqs: list[ScheduledRequest]):
@@ -255,29 +253,38 @@ class ModelRunner:
         """A list of ints (or bools) as a tensor on the device (int64 for ints, as torch.tensor makes it)."""
         return to_device(torch.tensor(values), self.device)
 
-    def _sampling_rows(self, r: ScheduledRequest) -> list[SamplingRow]:
-        """One row per token drawn for r: after its last known token, then after each of its drafts."""
-        state = self.input_batch.requests[r.request_id]
-        p = state.sampling_params
-        gen = None
-        if p.seed is not None and not p.greedy:
-            gen = self.generators.get(r.request_id)
-            if gen is None:
-                gen = self.generators[r.request_id] = torch.Generator(self.device).manual_seed(p.seed)
-        stop_ids = list(p.stop_token_ids)
-        if not p.ignore_eos:
-            stop_ids.extend(self.eos_token_ids)
-        known = self.input_batch.tokens(r.request_id).tolist() if p.has_penalties else None
-        num_output = r.start_pos + r.num_tokens - len(r.spec_token_ids) - state.num_prompt_tokens
-        return [SamplingRow(p, gen, known + r.spec_token_ids[:j] if known is not None else None,
-                            state.num_prompt_tokens, num_output + j, stop_ids if p.min_tokens else [])
-                for j in range(len(r.spec_token_ids) + 1)]
+    def _sampling_metadata(self, so: SchedulerOutput | None, sample_reqs: list[ScheduledRequest],
+                           vocab_size: int) -> SamplingMetadata:
+        """One row per token drawn: for each sampling request, after its last known token, then after each
+        of its drafts. A row's draw index is the number of output tokens before it, which with a seed
+        fixes its noise; its penalties see the drafts before it as outputs."""
+        batch = self.input_batch
+        params, draw_index, banned, prompts, outputs = [], [], [], [], []
+        penalised = False
+        for r in sample_reqs:
+            state = batch.requests[r.request_id]
+            p, n_prompt = state.sampling_params, state.num_prompt_tokens
+            num_output = r.start_pos + r.num_tokens - len(r.spec_token_ids) - n_prompt
+            stop_ids = list(p.stop_token_ids) + (list(self.eos_token_ids) if not p.ignore_eos else [])
+            known = batch.tokens(r.request_id).tolist() if p.has_penalties else None
+            penalised |= known is not None
+            for j in range(len(r.spec_token_ids) + 1):
+                params.append(p)
+                draw_index.append(num_output + j)
+                banned.append(stop_ids if num_output + j < p.min_tokens else [])
+                prompts.append(known[:n_prompt] if known is not None else [])
+                outputs.append(known[n_prompt:] + r.spec_token_ids[:j] if known is not None else [])
+        return SamplingMetadata.from_params(
+            params, self.device, vocab_size, prompt_token_ids=prompts if penalised else None,
+            output_token_ids=outputs if penalised else None, banned_token_ids=banned, draw_index=draw_index,
+            grammar=self._grammar_rows(so, sample_reqs))
 
     def _wants_prompt_logprobs(self, r: ScheduledRequest) -> bool:
         state = self.input_batch.requests[r.request_id]
         return state.sampling_params.prompt_logprobs is not None and r.start_pos < state.num_prompt_tokens - 1
 
-    def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor, q_start: int) -> list:
+    def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor,
+                         q_start: int) -> list[PromptTokenLogprobs]:
         """Logprobs of the prompt tokens this chunk predicts: position p predicts token p + 1."""
         state = self.input_batch.requests[r.request_id]
         n_prompt = state.num_prompt_tokens
@@ -289,6 +296,4 @@ class ModelRunner:
         targets = [int(prompt[p + 1]) for p in positions]
         logits = self._compute_logits(hidden[self._on_device(rows)])
         k = state.sampling_params.prompt_logprobs
-        lps, ranks, top_ids, top_vals = prompt_logprobs(logits, self._on_device(targets), k)
-        return [(p + 1, t, lp, rk, ti, tv) for p, t, lp, rk, ti, tv in
-                zip(positions, targets, lps, ranks, top_ids, top_vals)]
+        return prompt_logprobs(logits, self._on_device(targets), k, [p + 1 for p in positions])
