@@ -247,3 +247,10 @@ def test_metadata_refuses_mismatched_rows():
         SamplingMetadata(**{**meta.__dict__, "top_p": torch.ones(3)})
     with pytest.raises(ValueError, match="seeds, seeded, draw_index"):
         SamplingMetadata(**{**meta.__dict__, "draw_index": None})
+
+
+def test_plain_greedy_metadata_takes_the_argmax_of_bf16_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(9, 1000).bfloat16()
+    out = Sampler(None)(logits, SamplingMetadata.plain_greedy(9, "cpu"))
+    assert out.token_ids == logits.float().argmax(-1).tolist() and out.logprobs == [None] * 9

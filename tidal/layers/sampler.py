@@ -76,6 +76,14 @@ class SamplingMetadata:
         return len(self.num_logprobs)
 
     @classmethod
+    def plain_greedy(cls, n: int, device: torch.device | str) -> SamplingMetadata:
+        """n rows that only need an argmax (greedy; no logprobs, penalties, banned ids or grammar)."""
+        return cls(temperature=torch.zeros(n, device=device), all_greedy=True, all_random=False, top_k=None,
+                   top_p=None, min_p=None, seeds=None, seeded=None, draw_index=None, repetition_penalty=None,
+                   presence_penalty=None, frequency_penalty=None, prompt_token_ids=None, output_token_ids=None,
+                   banned_token_ids=None, num_logprobs=[None] * n)
+
+    @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str, vocab_size: int, *,
                     prompt_token_ids: list[list[int]] | None = None,
                     output_token_ids: list[list[int]] | None = None,

@@ -32,6 +32,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     state_slot: int | None
+    # greedy, without logprobs or penalties: its rows need only an argmax (once past min_tokens)
+    plain_greedy: bool = False
 
 
 @dataclass
@@ -69,6 +71,9 @@ class InputBatch:
         self._positions = torch.zeros(n, dtype=torch.int64)
         self._slot_mapping = torch.zeros(n, dtype=torch.int64)
         self._token_rows = torch.zeros(n, dtype=torch.int64)
+        # numpy views of the same memory, written by prepare()
+        self._np = {name: getattr(self, name).numpy() for name in ("_input_ids", "_positions", "_slot_mapping",
+                                                                    "_token_rows")}
         self._arange = np.arange(max(n, max_num_seqs) + 1, dtype=np.int64)
 
     # -- deltas from the scheduler ------------------------------------------------------------------
@@ -85,8 +90,9 @@ class InputBatch:
                     raise RuntimeError(f"request {sr.request_id}: no free row in the input batch (max_num_seqs "
                                        f"{len(self.num_tokens)} requests are held)")
                 row = self.free_rows.pop()
-                state = CachedRequestState(sr.request_id, row, sr.new.sampling_params, sr.new.num_prompt_tokens,
-                                           sr.new.state_slot)
+                p = sr.new.sampling_params
+                state = CachedRequestState(sr.request_id, row, p, sr.new.num_prompt_tokens, sr.new.state_slot,
+                                           plain_greedy=p.greedy and p.logprobs is None and not p.has_penalties)
                 self.requests[sr.request_id] = state
                 self.num_tokens[row] = self.num_blocks[row] = 0
             elif state is None:
@@ -123,22 +129,29 @@ class InputBatch:
         """Flat inputs of `reqs` in batch order: decodes first, then chunks that continue a cached context,
         then chunks starting at position 0 (stable: scheduling order within each)."""
         reqs = sorted(reqs, key=lambda r: (r.num_tokens > 1, r.start_pos == 0))
-        rows = np.fromiter((self.requests[r.request_id].row for r in reqs), dtype=np.int64, count=len(reqs))
-        q_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
-        starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=len(reqs))
-        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        T = int(query_start_loc[-1])
-        req_idx = np.repeat(self._arange[:len(reqs)], q_lens)                          # [T] request of each token
-        positions = starts[req_idx] + self._arange[:T] - query_start_loc[:-1][req_idx]  # [T]
-        token_rows = rows[req_idx]
+        B = len(reqs)
+        held = self.requests
+        rows = np.fromiter((held[r.request_id].row for r in reqs), dtype=np.int64, count=B)
+        q_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=B)
+        starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=B)
+        T = int(q_lens.sum())
+        if T == B:  # decode-only (the common step): one token per request, no expansion to do
+            query_start_loc = self._arange[:B + 1]
+            positions, token_rows, num_decodes = starts, rows, B
+        else:
+            query_start_loc = np.zeros(B + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=query_start_loc[1:])
+            req_idx = np.repeat(self._arange[:B], q_lens)                                  # [T] request of each token
+            positions = starts[req_idx] + self._arange[:T] - query_start_loc[:-1][req_idx]  # [T]
+            token_rows = rows[req_idx]
+            num_decodes = int(np.searchsorted(q_lens > 1, True))
         bs = self.block_size
         input_ids, pos_t, slots, rows_t = (self._input_ids[:T], self._positions[:T], self._slot_mapping[:T],
                                            self._token_rows[:T])
-        input_ids.numpy()[:] = np.take(self.token_ids.reshape(-1), token_rows * self.max_len + positions)
-        pos_t.numpy()[:] = positions
-        rows_t.numpy()[:] = token_rows
-        np.add(self.block_table[token_rows, positions // bs] * bs, positions % bs, out=slots.numpy())
-        num_decodes = int(np.searchsorted(q_lens > 1, True)) if len(reqs) else 0
+        views = self._np
+        views["_input_ids"][:T] = self.token_ids[token_rows, positions]
+        views["_positions"][:T] = positions
+        views["_token_rows"][:T] = token_rows
+        np.add(self.block_table[token_rows, positions // bs] * bs, positions % bs, out=views["_slot_mapping"][:T])
         return StepInputs(reqs, rows, T, num_decodes, query_start_loc, starts + q_lens, input_ids, pos_t, slots,
                           rows_t, self._block_table, bs)
