@@ -6,8 +6,9 @@
 Runs one workload of benchmarks/peers/workload.py (greedy, ignore_eos) through `LLMEngine.step` and
 times each step end to end; in one process the model's `forward` and `compute_logits` are timed too
 (the time inside them is the model's, the rest is the host's: scheduling, building inputs, sampling,
-detokenizing, outputs), and the process's resident memory at the end is reported. Under tensor/pipeline parallelism only whole steps are timed (the forward
-runs in the workers). Prints one JSON line starting with "RESULT ".
+detokenizing, outputs), and the process's resident memory at the end is reported. Under
+tensor/pipeline parallelism only whole steps are timed (the forward runs in the workers). Prints one
+JSON line starting with "RESULT ".
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def main() -> None:
     run(workload.WORKLOADS[args.workload](seed=1000, **warm_kw))
     engine.reset_prefix_cache() if hasattr(engine, "reset_prefix_cache") else None
     res = run(workload.WORKLOADS[args.workload]())
-    res["rss_mb"] = round(resident_bytes() / 2**20, 1)  # this process's (the engine's, and the model's in one process)
+    res["rss_mb"] = round(resident_bytes() / 2**20, 1)  # the engine's process (with the model, in one process)
     print("RESULT " + json.dumps({"workload": args.workload, "dtype": args.dtype,
                                   "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, **res}),
           flush=True)

@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.helpers import WorkerMirror
 from tidal.core.block_pool import BlockPool
 from tidal.core.kv_cache_manager import KVCacheManager, hash_block_tokens
 from tidal.core.scheduler import Scheduler
 from tidal.engine.stop_checker import append_tokens
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
-from tests.helpers import WorkerMirror
 
 BS = 4
 

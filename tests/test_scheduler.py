@@ -11,12 +11,12 @@ from functools import partial
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import WorkerMirror
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
 from tidal.engine.stop_checker import append_tokens
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
-from tests.helpers import WorkerMirror
 
 EOS = 0
 
@@ -73,7 +73,8 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
             assert mirror.tokens[sr.request_id] == req.all_token_ids, "the workers' copy is whole"
             end = sr.start_pos + sr.num_tokens
             assert mirror.blocks[sr.request_id] == kv.get_block_ids(sr.request_id)
-            assert len(mirror.blocks[sr.request_id]) == -(-end // bs), "a request holds exactly the blocks its tokens need"
+            assert len(mirror.blocks[sr.request_id]) == -(-end // bs), \
+                "a request holds exactly the blocks its tokens need"
             assert sr.sample == (end == req.num_tokens)
             if sr.request_id not in admission_order:
                 admission_order.append(sr.request_id)

@@ -6,9 +6,9 @@
 
 CpuPlatform uses the native kernels when they built for this CPU's ISA level (tidal/native.py), else
 torch's paths; CudaPlatform takes torch's paths (fused SDPA, cuBLAS). `TIDAL_ATTENTION_BACKEND`
-(`cpu_native` or `torch_sdpa`, as vLLM's VLLM_ATTENTION_BACKEND) overrides the choice. The GEMM path of each linear layer
-is chosen by its weight's dtype and device (tidal/layers/linear.py); threads are set per worker
-(tidal/worker/executor.py).
+(`cpu_native` or `torch_sdpa`, as vLLM's VLLM_ATTENTION_BACKEND) overrides the choice. The GEMM path
+of each linear layer is chosen by its weight's dtype and device (tidal/layers/linear.py); threads are
+set per worker (tidal/worker/executor.py).
 """
 from __future__ import annotations
 

@@ -260,9 +260,8 @@ class ModelRunner:
         fixes its noise; its penalties see the drafts before it as outputs."""
         batch = self.input_batch
         if (so is None or so.grammar_bitmask is None) and all(
-                (st := batch.requests[r.request_id]).plain_greedy
-                and r.start_pos + r.num_tokens - len(r.spec_token_ids) - st.num_prompt_tokens >= st.sampling_params.min_tokens
-                for r in sample_reqs):
+                (st := batch.requests[r.request_id]).plain_greedy and st.sampling_params.min_tokens
+                <= r.start_pos + r.num_tokens - len(r.spec_token_ids) - st.num_prompt_tokens for r in sample_reqs):
             return SamplingMetadata.plain_greedy(sum(1 + len(r.spec_token_ids) for r in sample_reqs), self.device)
         params, draw_index, banned, prompts, outputs = [], [], [], [], []
         penalised = False
