@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from tidal.core.scheduler import ScheduledRequest, SchedulerOutput
-from tidal.forward_context import set_forward_context
+from tidal.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from tidal.forward_context import ForwardContext, set_forward_context
+from tidal.layers.attention.backends import PrefillChunk, TorchMetadata, TorchSDPABackend
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.models.jamba import JambaAttention, JambaForCausalLM
@@ -69,36 +70,40 @@ def decode_tok_s(runner: ModelRunner, batch: int, context: int, steps: int) -> f
         for m in runner.mamba_layers:
             m.conv_state.normal_()
             m.ssm_state.normal_()
-    reqs = [ScheduledRequest(request_id=str(i), token_ids=[7], start_pos=context,
-                             block_ids=list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), sample=True,
-                             num_prompt_tokens=context, sampling_params=GREEDY,
-                             state_slot=i if runner.mamba_layers else None) for i in range(batch)]
+    mamba = bool(runner.mamba_layers)
+    # the first step hands the runner each request whole (context + 1 tokens, its blocks); later steps
+    # only the token sampled before, as the scheduler does
+    reqs = [ScheduledRequest(str(i), 1, context, True, context + 1, new_token_ids=[7] * (context + 1),
+                             new_block_ids=list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),
+                             new=NewRequestData(GREEDY, context + 1, i if mamba else None)) for i in range(batch)]
     times = []
     for step in range(steps + 1):  # the first step warms up
         t0 = time.perf_counter()
         runner.execute(SchedulerOutput(scheduled=reqs, num_batched_tokens=batch))
         times.append(time.perf_counter() - t0)
-        for r in reqs:
-            r.start_pos += 1
-            r.num_prompt_tokens += 1
+        reqs = [ScheduledRequest(r.request_id, 1, r.start_pos + 1, True, context + 1, new_token_ids=[7])
+                for r in reqs]
+    runner.execute(SchedulerOutput(scheduled=[], num_batched_tokens=0, finished_ids=[r.request_id for r in reqs]))
     runner.allocate_kv_cache(0)
     return batch / statistics.median(times[1:])  # median: the machine may be shared
 
 
 def layer_prefill_tok_s(layer: torch.nn.Module, hidden: int, tokens: int, repeats: int) -> float:
     """One attention or Mamba layer over a fresh `tokens`-token prompt (its own forward context)."""
-    from tidal.layers.attention import AttentionMetadata
     num_blocks = -(-tokens // BLOCK)
     if isinstance(layer, MambaMixer):
         layer.allocate_state(1)
     else:
         a = layer.attn
         a.kv_cache = torch.zeros(kv_cache_shape(num_blocks, BLOCK, a.num_kv_heads, a.head_dim))
-    meta = AttentionMetadata(
-        num_tokens=tokens, slot_mapping=torch.arange(tokens), block_size=BLOCK, num_decodes=0,
-        num_paged_tokens=0, paged_block_tables=None, paged_seq_lens=None, paged_max_seq_len=0,
-        prefills=[(0, tokens, 0, torch.arange(num_blocks))], query_start_loc=[0, tokens],
-        state_slots=torch.tensor([0]), has_initial_state=torch.tensor([False]))
+    meta = ForwardContext(num_tokens=tokens, num_decodes=0, query_start_loc=[0, tokens],
+                          state_slots=torch.tensor([0]), has_initial_state=torch.tensor([False]))
+    if not isinstance(layer, MambaMixer):
+        backend = TorchSDPABackend()
+        meta.attn_backend = backend
+        meta.attn_metadata = TorchMetadata(slot_mapping=torch.arange(tokens), num_decodes=0, decode_tables=None,
+                                           decode_seq_lens=None, decode_max_seq_len=0,
+                                           prefills=[PrefillChunk(0, tokens, 0, torch.arange(num_blocks))])
     x = torch.randn(tokens, hidden)
     times = []
     with torch.inference_mode(), set_forward_context(meta):
@@ -127,7 +132,8 @@ def main() -> None:
     for name, everywhere in (("jamba-shaped", False), ("attention-only", True)):
         cfg = model_config(everywhere, args.layers, args.hidden)
         model = random_model(cfg)
-        runner = ModelRunner(model, torch.float32, BLOCK)
+        runner = ModelRunner(model, torch.float32, BLOCK, max_num_seqs=args.batch,
+                             max_model_len=max(args.contexts) + args.steps + 2, max_num_batched_tokens=args.batch)
         kv, state = runner.kv_bytes_per_token(), runner.state_bytes_per_request()
         row = {"attention_layers": len(runner.attn_layers), "mamba_layers": len(runner.mamba_layers),
                "kv_bytes_per_token": kv, "state_bytes_per_request": state,

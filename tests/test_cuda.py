@@ -307,7 +307,8 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
                                   if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message))
         return call
 
-    runner._prepare = watched(runner._prepare)
+    runner.input_batch.prepare = watched(runner.input_batch.prepare)
+    runner._forward_context = watched(runner._forward_context)  # builds the attention metadata
     model = runner.model
     runner.model = type("Watched", (), {"__call__": staticmethod(watched(model)),
                                         "compute_logits": staticmethod(model.compute_logits)})()
