@@ -4,9 +4,9 @@ Gloo's all-reduce between two processes costs 0.5-1.3 ms on a small machine (a s
 that needs both ranks on a core at once), and a step runs two per layer. Ranks on the same host can
 instead exchange tensors through one mapped segment: each rank copies its tensor into its own slot,
 bumps its sequence counter, waits for the peers' counters, then sums every slot itself. The wait
-spins briefly, then yields, then naps (ranks may share cores), and gives up after the engine's
-execute timeout with an error naming the collective, so a dead or hung peer cannot block a rank
-forever.
+spins a few microseconds, then yields the core, then naps (ranks may share cores), and gives up
+after the engine's execute timeout with an error naming the collective, so a dead or hung peer
+cannot block a rank forever.
 
 Every rank sums the same slots in the same order (rank 0 + rank 1 + ..., in float32, rounded once to
 the tensor's dtype), so all ranks get bitwise the same result; for two ranks it is the same result as
@@ -40,8 +40,7 @@ _LINE = 64  # header and each rank's counter get a cache line of their own
 _MAX_WORLD = 64  # the C++ side keeps one slot pointer per rank on its stack
 _MAGIC = b"tidal-shm-ar\0\0\0\0"  # 16 bytes
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# waiting for a peer: busy-spin this long, then yield the core until _YIELD_S, then nap
-_SPIN_S = 50e-6
+# waiting for a peer: a few microseconds of spinning, then yield the core until _YIELD_S, then nap
 _YIELD_S = 2e-3
 
 
@@ -50,7 +49,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-                   + [ctypes.c_double] * 3 + [ctypes.POINTER(ctypes.c_int)])
+                   + [ctypes.c_double] * 2 + [ctypes.POINTER(ctypes.c_int)])
     lib.tidal_shm_counter.restype = ctypes.c_int64
     lib.tidal_shm_counter.argtypes = [ctypes.c_void_p, ctypes.c_int]
 
@@ -142,7 +141,7 @@ class SharedMemoryAllReduce:
         self._seq += 1
         status = self._lib.tidal_shm_all_reduce(
             self._base, self._data_offset, self.slot_bytes, self.world, self.rank, self._seq, x.data_ptr(),
-            x.data_ptr(), x.numel(), _DTYPES[x.dtype], self.timeout_s, _SPIN_S, _YIELD_S, ctypes.byref(self._late_rank))
+            x.data_ptr(), x.numel(), _DTYPES[x.dtype], self.timeout_s, _YIELD_S, ctypes.byref(self._late_rank))
         if status != 0:
             raise TimeoutError(f"tensor-parallel all-reduce (shared memory, number {self._seq}, {tuple(x.shape)} "
                                f"{x.dtype}) on rank {self.rank}: rank {self._late_rank.value} of the group did not "

@@ -88,7 +88,8 @@ class Worker:
     def _init_all_reduce(self, model_config, device: torch.device) -> str:
         """On CPU, move the tensor-parallel all-reduces from gloo to shared memory when the group's
         ranks share this machine. The segment's slots hold the largest activation of a step: a step's
-        tokens (the engine's max_num_batched_tokens, defaulted as LLMEngine does) x hidden size in fp32."""
+        tokens (the engine's max_num_batched_tokens, defaulted as LLMEngine does) x hidden size in fp32.
+        TIDAL_SHM_ALL_REDUCE=0 keeps gloo (to compare the two)."""
         from tidal.distributed import init_shm_all_reduce
         if self.tp_size == 1:
             return "none"
@@ -96,7 +97,8 @@ class Worker:
             return "nccl"
         hidden = getattr(model_config, "hidden_size", None)
         tokens = self.config.max_num_batched_tokens or max(2048, self.config.max_num_seqs)
-        if hidden and init_shm_all_reduce(tokens * hidden * 4, self.timeout_s):
+        wanted = os.environ.get("TIDAL_SHM_ALL_REDUCE", "1") != "0"
+        if hidden and wanted and init_shm_all_reduce(tokens * hidden * 4, self.timeout_s):
             return "shared memory"
         return "gloo"
 
