@@ -5,6 +5,7 @@ estimate for Jamba-Large on 8 GPUs with int8 weights.
     python benchmarks/parallel.py --configs 1x1,1x2,1x3 # TPxPP pairs
     python benchmarks/parallel.py --estimate-only       # only the Jamba-Large estimate (no model run)
     python benchmarks/parallel.py --overhead            # per-step cost of the workers on a tiny model
+    python benchmarks/parallel.py --all-reduce          # latency of one all-reduce: gloo vs shared memory
 
 Measured: weight bytes per rank (each worker reports the parameters it built and loaded) and output
 tokens/s of a fixed greedy workload. On a machine with few cores this measures the overhead of the
@@ -63,6 +64,61 @@ def measure(model: str | None, tp: int, pp: int, num_prompts: int, input_len: in
             "output_tok_s": round(out_tokens / elapsed, 1), "elapsed_s": round(elapsed, 2),
             # every request decodes at once: one step per output token
             "ms_per_step": round(1000 * elapsed / output_len, 2), "first_tokens": outs[0].outputs[0].token_ids[:8]}
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, shapes, iterations: int, queue) -> None:
+    """One rank of --all-reduce: times the same all-reduces through gloo and through shared memory."""
+    from tidal.distributed.shm_all_reduce import SharedMemoryAllReduce
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = torch.distributed.group.WORLD
+    shm = SharedMemoryAllReduce.create(group, max(n * h * 4 for n, h, _ in shapes), timeout_s=60.0)
+    rows = []
+    for n, h, dtype_name in shapes:
+        dtype = getattr(torch, dtype_name)
+        x = torch.randn(n, h).to(dtype)
+        for how in ("gloo", "shm"):
+            def op():
+                if how == "shm":
+                    shm.all_reduce(x)
+                else:  # as tensor_model_parallel_all_reduce does without the segment: 16-bit through fp32
+                    y = x.float() if x.dtype != torch.float32 else x
+                    torch.distributed.all_reduce(y, group=group)
+                    if y is not x:
+                        x.copy_(y)
+            for _ in range(20):
+                op()
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iterations):
+                op()
+            rows.append((f"[{n}, {h}] {dtype_name}", how, 1e6 * (time.perf_counter() - t0) / iterations))
+    shm.close()
+    torch.distributed.destroy_process_group()
+    if rank == 0:
+        queue.put(rows)
+
+
+def all_reduce_latency(world: int = 2, iterations: int = 2000) -> list:
+    """Microseconds per all-reduce between `world` processes on this machine, gloo vs shared memory, for a
+    decode step's activation (8 tokens), a prefill chunk's and a tiny one, SmolLM2's hidden size (576)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    shapes = [(8, 64, "float32"), (8, 576, "bfloat16"), (8, 576, "float32"), (512, 576, "bfloat16")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, world, port, shapes, iterations, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=600)
+    for p in procs:
+        p.join()
+    return rows
 
 
 def tiny_model(path: str) -> str:
@@ -165,9 +221,21 @@ def main() -> None:
     ap.add_argument("--estimate-only", action="store_true")
     ap.add_argument("--overhead", action="store_true",
                     help="a tiny random model (fp32) instead: the step time is the workers' overhead")
+    ap.add_argument("--all-reduce", action="store_true",
+                    help="only the latency of one tensor-parallel all-reduce, gloo vs shared memory")
+    ap.add_argument("--world", type=int, default=2, help="processes for --all-reduce")
     ap.add_argument("--json", help="write all results to this file")
     args = ap.parse_args()
     results = {"cpus": len(os.sched_getaffinity(0)), "runs": []}
+    if args.all_reduce:
+        results["all_reduce_us"] = rows = all_reduce_latency(args.world)
+        print(f"{'tensor':>22} {'path':>5} {'us per all-reduce':>18}  ({args.world} processes)")
+        for shape, how, us in rows:
+            print(f"{shape:>22} {how:>5} {us:>18.1f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     if args.overhead:
         import tempfile
         args.model, args.dtype = tiny_model(tempfile.mkdtemp(prefix="tidal-tiny-")), "float32"

@@ -8,6 +8,7 @@ configuration is built once per module and shared by the tests that need it.
 from __future__ import annotations
 
 import gc
+import glob
 import itertools
 import os
 import signal
@@ -195,6 +196,13 @@ def test_tp2_matches_single_process(tp2):
     _assert_same(tp2.ref, _generate(tp2.llm))
 
 
+def test_tp2_all_reduces_through_shared_memory_and_leave_no_segment_name(tp2):
+    infos = tp2.llm.llm_engine.executor.worker_infos
+    assert [i.tp_all_reduce for i in infos] == ["shared memory"] * 2
+    # the segment is named after the creating rank's pid; the name is unlinked once both ranks mapped it
+    assert [p for pid in tp2.pids for p in glob.glob(f"/dev/shm/tidal-allreduce-{pid}-*")] == []
+
+
 def test_tp2_shards_the_weights(tp2):
     full = sum(p.numel() * 4 for p in LLM(tp2.llm.config.model, **ENGINE).llm_engine.runner.model.parameters())
     per_rank = [i.weight_bytes for i in tp2.llm.llm_engine.executor.worker_infos]
@@ -225,6 +233,7 @@ def test_tp2_pp2_replicated_kv_heads_matches_single_process(tp2_pp2_mqa):
     infos = tp2_pp2_mqa.llm.llm_engine.executor.worker_infos
     assert [(i.tp_rank, i.pp_rank, i.layers) for i in infos] == [(0, 0, (0, 2)), (1, 0, (0, 2)),
                                                                  (0, 1, (2, 4)), (1, 1, (2, 4))]
+    assert {i.tp_all_reduce for i in infos} == {"shared memory"}  # one segment per stage's group
     _assert_same(tp2_pp2_mqa.ref, _generate(tp2_pp2_mqa.llm))
 
 
@@ -295,6 +304,8 @@ def test_ray_tp2_matches_single_process(tmp_path_factory):
         llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
         pids = llm.llm_engine.executor.pids
         assert len(set(pids)) == 2 and os.getpid() not in pids
+        # the actors share this machine, which they prove by mapping the same segment
+        assert [i.tp_all_reduce for i in llm.llm_engine.executor.worker_infos] == ["shared memory"] * 2
         _assert_same(ref, _generate(llm))
         del llm
         gc.collect()

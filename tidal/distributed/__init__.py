@@ -11,6 +11,7 @@ from tidal.distributed.parallel_state import (  # noqa: F401
     get_tp_rank,
     get_tp_size,
     init_distributed,
+    init_shm_all_reduce,
     is_first_pp_stage,
     is_last_pp_stage,
     pp_recv_hidden,

@@ -4,6 +4,11 @@ Ranks are laid out stage-major: global rank = pp_rank * tp_size + tp_rank, so th
 pipeline stage form one tensor-parallel group, and rank r of stage s sends its hidden states to rank
 r of stage s + 1. With one rank (the default) every collective is the identity and nothing here
 touches torch.distributed, so single-process code pays nothing.
+
+On CPU, once the ranks of a tensor-parallel group have set up a shared-memory segment
+(`init_shm_all_reduce`, which succeeds when they share a machine), tensor-parallel all-reduces go
+through it (tidal/distributed/shm_all_reduce.py) instead of gloo; tensors it cannot take (larger than
+its slots, other dtypes) still go through gloo.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ _TP_RANK, _TP_SIZE, _TP_GROUP = 0, 1, None
 _PP_RANK, _PP_SIZE = 0, 1
 _PP_PREV, _PP_NEXT = None, None  # global ranks of the neighbouring stages (same tp rank)
 _PENDING_SENDS: list = []  # (work, tensor): keeps each isend's buffer alive until it completes
+_TP_SHM = None  # SharedMemoryAllReduce of this rank's tensor-parallel group, when its ranks share a machine
 
 
 def set_parallel_state(tp_rank: int = 0, tp_size: int = 1, tp_group=None, pp_rank: int = 0,
@@ -49,7 +55,24 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ti
                        rank + tp_size if pp_rank < pp_size - 1 else None)
 
 
+def init_shm_all_reduce(max_bytes: int, timeout_s: float) -> bool:
+    """Set up the shared-memory all-reduce for this rank's tensor-parallel group, with room for tensors
+    of up to max_bytes (the largest activation of a step). Every rank of the group calls it together,
+    after init_distributed; returns whether it is in use (False on every rank if any rank cannot map
+    the segment). timeout_s: how long an all-reduce waits for a peer before raising."""
+    global _TP_SHM
+    from tidal.distributed.shm_all_reduce import SharedMemoryAllReduce
+    if _TP_SIZE == 1 or _TP_SHM is not None or torch.distributed.get_backend(_TP_GROUP) != "gloo":
+        return _TP_SHM is not None
+    _TP_SHM = SharedMemoryAllReduce.create(_TP_GROUP, max_bytes, timeout_s)
+    return _TP_SHM is not None
+
+
 def destroy_distributed() -> None:
+    global _TP_SHM
+    if _TP_SHM is not None:
+        _TP_SHM.close()
+        _TP_SHM = None
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     set_parallel_state()
@@ -101,6 +124,8 @@ def _reducible(x: torch.Tensor) -> torch.Tensor:
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP_SIZE == 1:
         return x
+    if _TP_SHM is not None and _TP_SHM.can_reduce(x):
+        return _TP_SHM.all_reduce(x)
     y = _reducible(x)
     torch.distributed.all_reduce(y, group=_TP_GROUP)
     if y is not x:

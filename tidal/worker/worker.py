@@ -36,6 +36,7 @@ class WorkerInfo:
     load_seconds: float
     pid: int
     device: str = "cpu"
+    tp_all_reduce: str = "none"  # how tensor-parallel all-reduces travel: "shared memory", "gloo", "nccl"
 
 
 class Worker:
@@ -71,16 +72,35 @@ class Worker:
                          backend="nccl" if device.type == "cuda" else "gloo")
         loaded = load_model(self.config.model, self.config.dtype, device=device)
         model = loaded.model
+        all_reduce = self._init_all_reduce(loaded.config, device)
         self.runner = ModelRunner.from_config(loaded, self.config, self.eos_token_ids)
         stack = next((m for m in model.modules() if hasattr(m, "start_layer")), None)  # LlamaModel, MambaModel...
         layers = ((stack.start_layer, stack.end_layer) if stack is not None  # models without stages hold every layer
                   else (0, getattr(loaded.config, "num_hidden_layers", 0)))
         info = WorkerInfo(self.rank, self.tp_rank, self.pp_rank, layers, loaded.weight_bytes,
-                          time.perf_counter() - t0, os.getpid(), str(device))
-        logger.info("rank %d (tp %d/%d, pp %d/%d) on %s: layers [%d, %d), %.1f MB of weights, loaded in %.1f s",
-                    self.rank, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, device, *layers,
-                    info.weight_bytes / 1e6, info.load_seconds)
+                          time.perf_counter() - t0, os.getpid(), str(device), all_reduce)
+        logger.info("rank %d (tp %d/%d, pp %d/%d) on %s: layers [%d, %d), %.1f MB of weights, loaded in %.1f s; "
+                    "all-reduce: %s", self.rank, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, device,
+                    *layers, info.weight_bytes / 1e6, info.load_seconds, all_reduce)
         return info
+
+    def _init_all_reduce(self, model_config, device: torch.device) -> str:
+        """On CPU, move the tensor-parallel all-reduces from gloo to shared memory when the group's
+        ranks share this machine. The segment's slots hold the largest activation of a step: a step's
+        tokens (the engine's max_num_batched_tokens, which it resolves before starting the workers) x hidden
+        size in fp32.
+        TIDAL_SHM_ALL_REDUCE=0 keeps gloo (to compare the two)."""
+        from tidal.distributed import init_shm_all_reduce
+        if self.tp_size == 1:
+            return "none"
+        if device.type != "cpu":
+            return "nccl"
+        hidden = getattr(model_config, "hidden_size", None)
+        tokens = self.config.max_num_batched_tokens or max(2048, self.config.max_num_seqs)
+        wanted = os.environ.get("TIDAL_SHM_ALL_REDUCE", "1") != "0"
+        if hidden and wanted and init_shm_all_reduce(tokens * hidden * 4, self.timeout_s):
+            return "shared memory"
+        return "gloo"
 
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token()
