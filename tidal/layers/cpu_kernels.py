@@ -169,6 +169,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_skinny_gemm_bf16.restype = ctypes.c_int
     lib.tidal_skinny_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_gemm_bf16.restype = ctypes.c_int
+    lib.tidal_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_linear_f32_bf16w.restype = None
     lib.tidal_linear_f32_bf16w.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
@@ -222,3 +224,27 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                   out.data_ptr(), M, N, K, torch.get_num_threads()) != 0:
         return None
     return out
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]^T (+ bias), all bf16 on CPU, any number of rows, straight from the plain
+    weight (VDPBF16PS; AVX-512 BF16 builds only). A row's result does not depend on the other rows.
+    None when it does not apply (callers fall back to F.linear)."""
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.bfloat16)):
+        return None
+    lib = _GEMM_LIB.get()
+    if lib is None:
+        return None
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    M, K = x2.shape
+    N = weight.shape[0]
+    if M == 0:
+        return None
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    if lib.tidal_gemm_bf16(x2.data_ptr(), weight.contiguous().data_ptr(),
+                           None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), M, N, K,
+                           torch.get_num_threads()) != 0:
+        return None
+    return out.view(*shape[:-1], N)
