@@ -2,9 +2,10 @@
 with thin wrappers that return None (or False) when the kernel cannot run so callers fall back to torch
 ops:
     csrc/cpu_kernels.cpp   paged attention, fused residual + RMSNorm, rotary, KV-cache writes, silu-and-mul
-    csrc/gemm.cpp          products with bf16 weights: fp32 activations (any number of rows; the path
-                           of bf16 checkpoints on CPUs without native bf16), and bf16 activations of
-                           one to four rows (decode of a few requests)
+    csrc/gemm.cpp          products with bf16 weights, all from the plain [out, in] weight: fp32
+                           activations (any number of rows; the path of bf16 checkpoints on CPUs without
+                           native bf16), bf16 activations of one to four rows (decode of a few requests)
+                           and, on AVX-512 BF16, bf16 activations of any number of rows
     csrc/simd.h            the fp32 vector operations both are written against (16 or 8 lanes)
 Tensors on another device (CUDA) always take the torch ops: the device is checked before the library
 is asked for, so a model on a GPU never builds it."""
@@ -60,7 +61,7 @@ def describe() -> str:
     if lanes > 1:
         parts.append("silu-and-mul")
     if gemm is not None:
-        parts.append("bf16-weight GEMM" + (" (VDPBF16PS decode)" if cpu_isa() == "avx512_bf16" else ""))
+        parts.append("bf16-weight GEMM" + (" (VDPBF16PS)" if cpu_isa() == "avx512_bf16" else ""))
     return f"CPU ISA {cpu_isa()} ({lanes} fp32 lanes): native {', '.join(parts)}"
 
 

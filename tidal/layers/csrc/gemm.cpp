@@ -14,6 +14,10 @@
 // tidal_skinny_gemm_bf16: bf16 activations and weights, bf16 out, M 1..4 (decode of a few requests in
 // a bf16 model): VDPBF16PS on AVX-512 BF16, elsewhere the activations are widened and the fp32 path
 // above runs.
+//
+// tidal_gemm_bf16: bf16 activations and weights, bf16 out, any M (prompt chunks, batches of decodes),
+// AVX-512 BF16 only: VDPBF16PS with lanes over rows of x, the weight pairs broadcast from the plain
+// layout (no repacked copy of the weights), rows independent of each other (see gemm_bf16).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
