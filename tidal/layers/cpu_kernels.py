@@ -183,9 +183,10 @@ _GEMM_LIB = NativeLibrary("gemm", os.path.join(os.path.dirname(__file__), "csrc"
 def gemm_lib() -> ctypes.CDLL | None:
     return _GEMM_LIB.get()
 
-# Up to this many rows the native kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
+# Up to this many rows the skinny kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
 # GEMM. Measured on SmolLM2's shapes, 2 threads, summed over one layer's four products: 1.6x for one row,
-# 1.6x for two, 1.3x for three, 1.2x for four (at four rows the LM head alone is 10% slower).
+# 1.6x for two, 1.3x for three, 1.2x for four (at four rows the LM head alone is 10% slower). The blocked
+# kernel (bf16_linear) costs the same for 1 to 16 rows: its vector lanes are 16 rows of x.
 SKINNY_MAX_ROWS = 4
 
 
