@@ -1,9 +1,13 @@
 """Microbenchmarks of the native CPU kernels for each ISA level this CPU runs, on SmolLM2-135M's shapes:
 
-    .venv/bin/python benchmarks/cpu_kernels.py [--isa avx2 avx512_bf16 ...]
+    .venv/bin/python benchmarks/cpu_kernels.py [--isa avx2 avx512_bf16 ...] [--only gemm_bf16]
 
 - GEMM with bf16 weights and fp32 activations (the `dtype auto` path of CPUs without native bf16)
   against torch's fp32 GEMM, for 1 to 256 rows, summed over one layer's four products and the LM head.
+- bf16 x bf16 GEMM from the plain weight (AVX-512 BF16: the path of prompt chunks and batches in a
+  bf16 model) against oneDNN's GEMM on a prepacked copy of the weight (what a second copy would buy)
+  and on the plain weight (F.linear), for 16 to 2048 rows, summed the same way (the LM head only up
+  to 256 rows: it sees one row per sequence).
 - Paged attention: 64 decodes over 1,100 cached tokens each, and one 64-token prompt chunk over
   1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16 and fp32 caches and
   bf16 over bf16. GFLOP/s count 4 * heads * head_dim per query and cached token.
@@ -45,6 +49,25 @@ def gemm(isa: str) -> None:
               f"torch fp32 {reference * 1e3:8.3f} ms: {reference / native:5.2f}x")
 
 
+def gemm_bf16(isa: str) -> None:
+    if isa != "avx512_bf16":
+        return  # bf16 activations are not what dtype auto picks there
+    for m in (16, 64, 256, 1024, 2048):
+        native = packed = plain = 0.0
+        shapes = [(n, k) for n, k in SHAPES if m <= 256 or n != 49152]
+        for n, k in shapes:
+            x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+            prepacked = torch.ops.mkldnn._reorder_linear_weight(w, 128)  # as the engine packed them
+            reps = max(3, min(20, 4096 // m))
+            native += timed(lambda: cpu_kernels.bf16_linear(x, w, None), reps)
+            packed += timed(lambda: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""), reps)
+            plain += timed(lambda: F.linear(x, w), reps)
+        flops = 2 * m * sum(n * k for n, k in shapes)
+        print(f"{isa:12s} bf16 gemm rows {m:4d}{'' if m <= 256 else ' (no LM head)'}: {native * 1e3:8.3f} ms "
+              f"({flops / native / 1e9:6.1f} GFLOP/s), oneDNN prepacked {packed * 1e3:8.3f} ms "
+              f"({packed / native:5.2f}x), oneDNN plain {plain * 1e3:8.3f} ms ({plain / native:5.2f}x)")
+
+
 def attention(isa: str) -> None:
     nb, hk, hq, bs, d, ctx, n = 600, 3, 9, 16, 64, 1100, 64
     for qdt, kdt in ((torch.float32, torch.bfloat16), (torch.float32, torch.float32),
@@ -73,12 +96,14 @@ def attention(isa: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--isa", nargs="*", default=[i for i in runnable_isas() if i != "generic"])
+    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "attention"], default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     for isa in args.isa:
         with isa_override(isa):
-            gemm(isa)
-            attention(isa)
+            for name, bench in (("gemm", gemm), ("gemm_bf16", gemm_bf16), ("attention", attention)):
+                if args.only in (None, name):
+                    bench(isa)
 
 
 if __name__ == "__main__":

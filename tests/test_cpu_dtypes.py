@@ -9,7 +9,7 @@ import torch
 from tests.helpers import TEST_KV_CACHE_BYTES, hf_model, random_prompts, save_tiny_model, tiny_config
 from tidal import LLM, SamplingParams
 from tidal.layers.linear import Bf16WeightLinearMethod
-from tidal.loader.loader import resolve_dtypes
+from tidal.loader.loader import load_model, resolve_dtypes
 from tidal.native import isa_override, runnable_isas
 
 BF16_CONFIG = tiny_config("llama", tie_word_embeddings=True)
@@ -42,6 +42,26 @@ def bf16_checkpoint(tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return path, hf_model(path)
+
+
+def test_a_bf16_model_holds_each_weight_once(bf16_checkpoint):
+    """With bf16 activations on the CPU every kernel reads the plain [out, in] weights: the loaded model
+    holds the checkpoint's tensors once, with no prepacked copy beside them, and weight_bytes is that."""
+    import glob
+
+    from safetensors import safe_open
+    path, _ = bf16_checkpoint
+    loaded = load_model(path, dtype="bfloat16")
+    beside = [f"{name}.{key}" for name, module in loaded.model.named_modules()
+              for key, value in vars(module).items() if isinstance(value, torch.Tensor)]
+    assert beside == []
+    params = {id(p): p for p in loaded.model.parameters()}.values()
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    checkpoint_bytes = 0
+    for file in glob.glob(f"{path}/*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            checkpoint_bytes += sum(f.get_tensor(k).nbytes for k in f.keys())
+    assert loaded.weight_bytes == sum(p.nbytes for p in params) == checkpoint_bytes
 
 
 def _teacher_forced_logprobs(hf, ids: list[int]) -> torch.Tensor:

@@ -91,6 +91,56 @@ def test_skinny_gemm_matches_fp32_product(isa, rows, k):
     torch.testing.assert_close(out.float(), reference.float(), atol=1e-3, rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 48, 130])
+@pytest.mark.parametrize("n,k", [(1027, 576), (960, 101), (40, 1536)])  # ragged tiles, odd K, long K
+def test_bf16_gemm_matches_fp32_product(isa, rows, n, k):
+    """bf16 x bf16 for any number of rows, from the plain weight: the fp32 product rounded once to bf16
+    (within an fp32 accumulation error), the bias added in fp32 before that rounding."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    out = cpu_kernels.bf16_linear(x, w, bias)
+    if isa != "avx512_bf16":
+        assert out is None  # no VDPBF16PS: the caller uses F.linear
+        return
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    reference = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    # half a bf16 step (2^-8 relative) for the rounding, 1e-4 for fp32 accumulation over up to 1536 terms
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=2 ** -8)
+    no_bias = cpu_kernels.bf16_linear(x, w, None)
+    torch.testing.assert_close(no_bias.double(), reference - bias.double(), atol=1e-4, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("rows,k", [(70, 576), (300, 1536)])  # one panel of x; several
+def test_bf16_gemm_rows_do_not_depend_on_the_batch(isa, rows, k):
+    """Each output is one fp32 lane accumulating the k pairs in order: a row computed alone, among a
+    few rows or inside a large call (other register tiles, other panels) is bitwise the same."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, k).bfloat16()
+    w = torch.randn(963, k).bfloat16()
+    bias = torch.randn(963).bfloat16()
+    full = cpu_kernels.bf16_linear(x, w, bias)
+    if isa != "avx512_bf16":
+        assert full is None
+        return
+    for part in (slice(5, 6), slice(10, 13), slice(0, 16), slice(20, 37), slice(16, 64), slice(rows - 1, rows)):
+        assert torch.equal(cpu_kernels.bf16_linear(x[part], w, bias), full[part]), part
+
+
+def test_bf16_gemm_keeps_inf_and_nan(isa):
+    x = torch.ones(3, 64).bfloat16()
+    x[1, 7] = float("inf")
+    x[2, 9] = float("nan")
+    w = torch.ones(20, 64).bfloat16()
+    out = cpu_kernels.bf16_linear(x, w, None)
+    if isa != "avx512_bf16":
+        assert out is None
+        return
+    assert torch.equal(out[0], torch.full((20,), 64.0).bfloat16())
+    assert torch.isposinf(out[1]).all() and torch.isnan(out[2]).all()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 40, 130])
 @pytest.mark.parametrize("k", [576, 100])
 def test_bf16_weight_gemm_matches_fp32_product(rows, k):

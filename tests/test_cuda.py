@@ -180,7 +180,7 @@ def test_bf16_on_cuda_runs_and_stays_close_to_fp32(tiny_model_dir):
     assert runner.dtype == torch.bfloat16
     assert all(p.device.type == "cuda" for p in runner.model.parameters())
     assert all(a.kv_cache.device.type == "cuda" for a in runner.attn_layers)
-    # oneDNN-prepacked weights are a CPU thing
+    # one copy of each weight: nothing prepacked beside the parameters
     assert all(getattr(m, "packed_weight", None) is None for m in runner.model.modules())
     params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

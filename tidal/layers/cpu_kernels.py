@@ -3,9 +3,10 @@ with thin wrappers that return None (or False) when the kernel cannot run so cal
 ops:
     csrc/cpu_kernels.cpp   paged attention, fused residual + RMSNorm, rotary, KV-cache writes, silu-and-mul,
                            greedy argmax over logits rows
-    csrc/gemm.cpp          products with bf16 weights: fp32 activations (any number of rows; the path
-                           of bf16 checkpoints on CPUs without native bf16), and bf16 activations of
-                           one to four rows (decode of a few requests)
+    csrc/gemm.cpp          products with bf16 weights, all from the plain [out, in] weight: fp32
+                           activations (any number of rows; the path of bf16 checkpoints on CPUs without
+                           native bf16), bf16 activations of one to four rows (decode of a few requests)
+                           and, on AVX-512 BF16, bf16 activations of any number of rows
     csrc/simd.h            the fp32 vector operations both are written against (16 or 8 lanes)
 Tensors on another device (CUDA) always take the torch ops: the device is checked before the library
 is asked for, so a model on a GPU never builds it."""
@@ -64,7 +65,7 @@ def describe() -> str:
     if lanes > 1:
         parts.append("silu-and-mul")
     if gemm is not None:
-        parts.append("bf16-weight GEMM" + (" (VDPBF16PS decode)" if cpu_isa() == "avx512_bf16" else ""))
+        parts.append("bf16-weight GEMM" + (" (VDPBF16PS)" if cpu_isa() == "avx512_bf16" else ""))
     return f"CPU ISA {cpu_isa()} ({lanes} fp32 lanes): native {', '.join(parts)}"
 
 
@@ -186,6 +187,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_skinny_gemm_bf16.restype = ctypes.c_int
     lib.tidal_skinny_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_gemm_bf16.restype = ctypes.c_int
+    lib.tidal_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_linear_f32_bf16w.restype = None
     lib.tidal_linear_f32_bf16w.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
@@ -197,9 +200,10 @@ _GEMM_LIB = NativeLibrary("gemm", os.path.join(os.path.dirname(__file__), "csrc"
 def gemm_lib() -> ctypes.CDLL | None:
     return _GEMM_LIB.get()
 
-# Up to this many rows the native kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
+# Up to this many rows the skinny kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
 # GEMM. Measured on SmolLM2's shapes, 2 threads, summed over one layer's four products: 1.6x for one row,
-# 1.6x for two, 1.3x for three, 1.2x for four (at four rows the LM head alone is 10% slower).
+# 1.6x for two, 1.3x for three, 1.2x for four (at four rows the LM head alone is 10% slower). The blocked
+# kernel (bf16_linear) costs the same for 1 to 16 rows: its vector lanes are 16 rows of x.
 SKINNY_MAX_ROWS = 4
 
 
@@ -239,3 +243,27 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                   out.data_ptr(), M, N, K, torch.get_num_threads()) != 0:
         return None
     return out
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]^T (+ bias), all bf16 on CPU, any number of rows, straight from the plain
+    weight (VDPBF16PS; AVX-512 BF16 builds only). A row's result does not depend on the other rows.
+    None when it does not apply (callers fall back to F.linear)."""
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.bfloat16)):
+        return None
+    lib = _GEMM_LIB.get()
+    if lib is None:
+        return None
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    M, K = x2.shape
+    N = weight.shape[0]
+    if M == 0:
+        return None
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    if lib.tidal_gemm_bf16(x2.data_ptr(), weight.contiguous().data_ptr(),
+                           None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), M, N, K,
+                           torch.get_num_threads()) != 0:
+        return None
+    return out.view(*shape[:-1], N)

@@ -11,7 +11,7 @@ from tidal.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from tidal.layers.linear import cpu_linear, pack_linear_weight
+from tidal.layers.linear import cpu_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -48,11 +48,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
-    def process_weights_after_loading(self) -> None:
-        self.packed_weight = pack_linear_weight(self.weight) if self.weight.dtype == self.dtype else None
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] logits, gathered across ranks."""
-        logits = cpu_linear(hidden, self.weight, getattr(self, "packed_weight", None), None)
+        logits = cpu_linear(hidden, self.weight, None)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size]

@@ -22,7 +22,7 @@ from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tidal.forward_context import skinny_gemm_allowed
-from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, linear_f32_bf16w, skinny_linear
+from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, bf16_linear, linear_f32_bf16w, skinny_linear
 
 
 class UnquantizedLinearMethod:
@@ -30,10 +30,10 @@ class UnquantizedLinearMethod:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.packed_weight = pack_linear_weight(layer.weight)
+        pass  # the plain weight is the only copy: the CPU kernels read it as it is
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias)
+        return cpu_linear(x, layer.weight, bias)
 
 
 class Bf16WeightLinearMethod(UnquantizedLinearMethod):
@@ -59,44 +59,30 @@ def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T (+ bias). Where a prepacked copy exists (bf16/fp16 on CPU), products of up to
-    SKINNY_MAX_ROWS rows where the forward context allows it (decode-only steps, the LM head) go to the native skinny
-    kernel, which streams the plain weight once; everything else to oneDNN's prepacked GEMM, whose rows
-    do not depend on how many there are. Prompt tokens therefore always take oneDNN: a prompt's last
-    tokens computed after a prefix-cache hit (a few rows) round exactly as when the whole prompt runs,
-    so cached and uncached requests agree. Otherwise F.linear. A weight narrower than x (bf16 under fp32
-    activations) takes bf16_weight_linear."""
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias), reading the one plain [out, in] copy of the weight.
+
+    bf16 on a CPU with AVX-512 BF16: products of up to SKINNY_MAX_ROWS rows where the forward context
+    allows it (decode-only steps, the LM head's sampled rows) go to the skinny kernel, which streams the
+    weight once; everything else (prompt chunks, batches of decodes) to the blocked kernel
+    (`bf16_linear`), whose rows do not depend on how many there are. Prompt tokens therefore always take
+    the blocked kernel: a prompt's last tokens computed after a prefix-cache hit (a few rows) round exactly
+    as when the whole prompt runs, so cached and uncached requests agree. Elsewhere (fp32, fp16, bf16
+    without native bf16 products, GPUs) F.linear. A weight narrower than x (bf16 under fp32 activations)
+    takes bf16_weight_linear."""
     if weight.dtype != x.dtype:
         return bf16_weight_linear(x, weight, bias)
-    if packed is None:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    out = None
     if x2.shape[0] <= SKINNY_MAX_ROWS and skinny_gemm_allowed():
         out = skinny_linear(x2, weight, bias)
-        if out is not None:
-            return out.view(*shape[:-1], out.shape[-1])
-    return packed_linear(x, packed, bias)
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-prepacked copy of a [out, in] bf16/fp16 CPU weight, or None where that does not apply.
-    Prepacked weights skip oneDNN's per-call reorder: measured 2x faster for one-row (decode)
-    products and 1.1-1.5x for batches. fp32 stays on F.linear, bit-compatible with reference models."""
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16)
-            or not torch.backends.mkldnn.is_available()):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 128)
-    except (RuntimeError, AttributeError):
-        return None
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    shape = x.shape
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), packed, bias, "none", [], "")
+    if out is None:
+        out = bf16_linear(x2, weight, bias)
+    if out is None:  # no AVX-512 BF16 build: oneDNN on the plain weight
+        return F.linear(x, weight, bias)
     return out.view(*shape[:-1], out.shape[-1])
 
 

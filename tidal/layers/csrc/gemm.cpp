@@ -14,6 +14,10 @@
 // tidal_skinny_gemm_bf16: bf16 activations and weights, bf16 out, M 1..4 (decode of a few requests in
 // a bf16 model): VDPBF16PS on AVX-512 BF16, elsewhere the activations are widened and the fp32 path
 // above runs.
+//
+// tidal_gemm_bf16: bf16 activations and weights, bf16 out, any M (prompt chunks, batches of decodes),
+// AVX-512 BF16 only: VDPBF16PS with lanes over rows of x, the weight pairs broadcast from the plain
+// layout (no repacked copy of the weights), rows independent of each other (see gemm_bf16).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -215,6 +219,191 @@ static void skinny_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bi
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// ---- bf16 activations x bf16 weights, any number of rows (prompt chunks, batches of decodes) ----
+// VDPBF16PS with the vector lanes over rows of x: each lane holds the bf16 pair (x[m, 2p], x[m, 2p+1])
+// of one row m and is multiplied by the pair (w[n, 2p], w[n, 2p+1]) of one weight row, broadcast
+// straight from the plain [N, K] weight. So the weights need no repacked copy: only x, M * K values
+// per call, is reordered (into groups of 16 rows, pair-interleaved: [K2][16]), and the 16 x 16 tile
+// of outputs is transposed once at the end. Each output is one fp32 lane accumulating the pairs in k
+// order, whatever M is and wherever the row sits in its group, so a row's result never depends on the
+// other rows of the call; bias is added in fp32, then one rounding to bf16 (nearest even).
+
+// r[c] <- column c of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15]
+static inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + q]: element q of each 128-bit lane, rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a_lo = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x44), a_hi = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xee);
+    const __m512i b_lo = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x44);
+    const __m512i b_hi = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xee);
+    r[q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0x88);
+    r[4 + q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd);
+    r[8 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0x88);
+    r[12 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd);
+  }
+}
+
+// rows [m0, m0 + 16) of x (those < M; the others zero) as xg[p * 16 + r] = pair p of row m0 + r, p < K2p
+// (a multiple of 16; pairs past K, and the missing half of an odd K's last pair, are zero)
+static void pack_group(const uint16_t* x, int64_t M, int64_t K, int64_t m0, int64_t K2p, uint32_t* xg) {
+  for (int64_t p0 = 0; p0 < K2p; p0 += 16) {
+    const int64_t k0 = 2 * p0;
+    const __mmask32 mask = k0 >= K ? 0 : K - k0 >= 32 ? ~__mmask32(0) : (__mmask32)((1u << (K - k0)) - 1);
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i)
+      r[i] = m0 + i < M ? _mm512_maskz_loadu_epi16(mask, x + (m0 + i) * K + k0) : _mm512_setzero_si512();
+    transpose16x16(r);
+    for (int q = 0; q < 16; ++q) _mm512_storeu_si512(xg + (p0 + q) * 16, r[q]);
+  }
+}
+
+// 16 fp32 outputs (one row's, columns [n0, n0 + nn)) plus the bias, rounded to bf16 (nearest even, NaN
+// kept NaN) and stored at dst
+static inline void store_row(__m512 v, __m512 bias, __mmask16 nmask, uint16_t* dst) {
+  v = _mm512_add_ps(v, bias);
+  __m512i bits = _mm512_srli_epi32(simd::bf16_bits(v), 16);
+  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(dst, nmask, _mm512_cvtepi32_epi16(bits));
+}
+
+static inline __m512 load_bias(const uint16_t* bias, int64_t n0, __mmask16 nmask) {
+  if (!bias) return _mm512_setzero_ps();
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(nmask, bias + n0)), 16));
+}
+
+// Stores out[m0 + r, n0 + i] = acc[i] lane r (+ bias) for i < nn <= 16 and rows < M.
+static inline void store_16x16(const __m512* acc, const uint16_t* bias, uint16_t* out, int64_t M, int64_t N,
+                               int64_t m0, int64_t n0, int nn) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(acc[i]);
+  transpose16x16(r);  // r[row]: the row's outputs
+  const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
+  const __m512 b = load_bias(bias, n0, nmask);
+  const int64_t rows = std::min<int64_t>(16, M - m0);
+  for (int64_t row = 0; row < rows; ++row) store_row(_mm512_castsi512_ps(r[row]), b, nmask, out + (m0 + row) * N + n0);
+}
+
+// Two groups' 8 columns in one transpose: out[m0 + r, n0 + i] = lo[i] lane r and out[m0 + 16 + r, n0 + i]
+// = hi[i] lane r (+ bias), for i < nn <= 8 and rows < M (hi null: only the first group).
+static inline void store_2x16x8(const __m512* lo, const __m512* hi, const uint16_t* bias, uint16_t* out, int64_t M,
+                                int64_t N, int64_t m0, int64_t n0, int nn) {
+  __m512i r[16];
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_castps_si512(lo[i]);
+    r[8 + i] = hi ? _mm512_castps_si512(hi[i]) : _mm512_setzero_si512();
+  }
+  transpose16x16(r);  // r[c]: row m0 + c's outputs in lanes 0-7, row m0 + 16 + c's in lanes 8-15
+  const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
+  __m512 b = load_bias(bias, n0, nmask);
+  b = _mm512_shuffle_f32x4(b, b, 0x44);  // the 8 biases in both halves
+  const int64_t rows = std::min<int64_t>(16, M - m0), rows_hi = hi ? std::min<int64_t>(16, M - m0 - 16) : 0;
+  for (int64_t c = 0; c < rows; ++c) store_row(_mm512_castsi512_ps(r[c]), b, nmask, out + (m0 + c) * N + n0);
+  for (int64_t c = 0; c < rows_hi; ++c) {
+    const __m512 v = _mm512_castsi512_ps(_mm512_shuffle_i32x4(r[c], r[c], 0xee));  // lanes 8-15 down to 0-7
+    store_row(v, b, nmask, out + (m0 + 16 + c) * N + n0);
+  }
+}
+
+// MV packed groups of 16 rows of x (xg + v * gstride, the first at row m0) against NR weight rows
+// (w + i * K): MV * NR accumulators, one per (group, weight row), each lane one output. prefetch (or
+// null): K / 2 cache lines to bring into L2 meanwhile, one per pair (the next tile's weights).
+template <int MV, int NR>
+static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const uint16_t* w, int64_t K,
+                             const uint16_t* bias, uint16_t* out, int64_t M, int64_t N, int64_t m0, int64_t n0,
+                             int nn, const char* prefetch) {
+  __m512 acc[MV][NR];
+  for (int v = 0; v < MV; ++v)
+    for (int i = 0; i < NR; ++i) acc[v][i] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (prefetch) _mm_prefetch(prefetch + p * 64, _MM_HINT_T1);
+    __m512bh xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xg + v * gstride + p * 16);
+    for (int i = 0; i < NR; ++i) {
+      int32_t wp;
+      std::memcpy(&wp, w + i * K + 2 * p, 4);
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(wp);
+      for (int v = 0; v < MV; ++v) acc[v][i] = _mm512_dpbf16_ps(acc[v][i], xv[v], wv);
+    }
+  }
+  if (K % 2) {  // x's half of the last pair is zero; so is the weight's, so that no inf or NaN comes in
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(w[i * K + K - 1]);
+      for (int v = 0; v < MV; ++v)
+        acc[v][i] = _mm512_dpbf16_ps(acc[v][i], (__m512bh)_mm512_loadu_si512(xg + v * gstride + pairs * 16), wv);
+    }
+  }
+  if constexpr (NR == 16) {
+    static_assert(MV == 1, "16 weight rows: one group of x");
+    store_16x16(acc[0], bias, out, M, N, m0, n0, nn);
+  } else {
+    static_assert(NR == 8, "8 or 16 weight rows");
+    for (int v = 0; v < MV; v += 2)
+      store_2x16x8(acc[v], v + 1 < MV ? acc[v + 1] : nullptr, bias, out, M, N, m0 + 16 * v, n0, nn);
+  }
+}
+
+static void gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M,
+                      int64_t N, int64_t K, int num_threads) {
+  // Tiles of 16 weight rows, whose K pairs stay in L1/L2 while the panel of x passes: two groups of 16
+  // rows of x at a time against each half (16 accumulators); a last single group against all 16
+  // (again 16 accumulators, enough to hide VDPBF16PS's latency).
+  constexpr int NT = 16;
+  const int64_t K2p = ((K + 1) / 2 + 15) / 16 * 16;
+  const int64_t gstride = K2p * 16;
+  // groups of 16 rows per panel: ~384 KiB of packed x, in L2 while every weight tile passes over it
+  const int64_t groups = (M + 15) / 16;
+  const int64_t panel = std::max<int64_t>(2, (384 * 1024) / (gstride * 4) / 2 * 2);
+  const int64_t tiles = (N + NT - 1) / NT;
+  static thread_local std::vector<uint32_t> packed;
+  packed.resize(std::min(panel, groups) * gstride);
+  uint32_t* xp = packed.data();
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<uint16_t> tail_rows;  // the last tile's weight rows, padded with zero rows to NT
+    for (int64_t g0 = 0; g0 < groups; g0 += panel) {
+      const int64_t ng = std::min(panel, groups - g0);
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < ng; ++g) pack_group(x, M, K, (g0 + g) * 16, K2p, xp + g * gstride);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n0 = t * NT;
+        const int nn = (int)std::min<int64_t>(NT, N - n0);
+        const uint16_t* wt = w + n0 * K;
+        if (nn < NT) {
+          tail_rows.assign(NT * K, 0);
+          std::memcpy(tail_rows.data(), wt, nn * K * 2);
+          wt = tail_rows.data();
+        }
+        // the next tile's weights (16 * K bf16: K / 2 lines) come from memory while this one computes:
+        // what keeps a weight too large for the caches (an LM head) streaming at small M
+        const char* next = n0 + 2 * NT <= N ? reinterpret_cast<const char*>(w + (n0 + NT) * K) : nullptr;
+        const int64_t pairs_end = ng / 2 * 2;
+        for (int half = 0; half < 2; ++half) {
+          const int nh = std::max(0, std::min(8, nn - 8 * half));
+          for (int64_t g = 0; g < pairs_end && nh > 0; g += 2, next = nullptr)
+            tile_bf16<2, 8>(xp + g * gstride, gstride, wt + 8 * half * K, K, bias, out, M, N, (g0 + g) * 16,
+                            n0 + 8 * half, nh, next);
+        }
+        if (ng % 2)
+          tile_bf16<1, 16>(xp + pairs_end * gstride, gstride, wt, K, bias, out, M, N, (g0 + pairs_end) * 16, n0, nn,
+                           next);
+      }
+    }
+  }
+}
+#endif
+
 extern "C" {
 // x [M, K] fp32, w [N, K] bf16, bias [N] fp32 or null, out [M, N] fp32; all contiguous.
 void tidal_linear_f32_bf16w(const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t N,
@@ -248,6 +437,21 @@ int tidal_skinny_gemm_bf16(const void* x, const void* w, const void* bias, void*
   return 0;
 #else
   (void)xs; (void)ws; (void)bs; (void)os; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+
+// x [M, K], w [N, K], bias [N] (or null), out [M, N], all bf16 and contiguous, any M >= 1. Returns 0
+// when it ran, -1 when this build has no AVX-512 BF16 (the caller uses its fallback).
+int tidal_gemm_bf16(const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t N, int64_t K,
+                    int num_threads) {
+#if defined(__AVX512BF16__)
+  if (M < 1) return -1;
+  gemm_bf16(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(bias),
+            static_cast<uint16_t*>(out), M, N, K, num_threads);
+  return 0;
+#else
+  (void)x; (void)w; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
   return -1;
 #endif
 }
