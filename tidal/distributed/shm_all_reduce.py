@@ -123,6 +123,7 @@ class SharedMemoryAllReduce:
                 os.close(fd)
             if path is not None:
                 os.unlink(path)  # the mappings keep the memory; the name is no longer needed
+        dist.barrier(group)  # no rank returns before the name is gone
         if not flags.item():
             if mapping is not None:
                 mapping.close()
