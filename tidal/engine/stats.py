@@ -29,8 +29,9 @@ class EngineStats:
     def record_step(self, batch, num_sampled: int, scheduler, kv_manager) -> None:
         self.num_steps += 1
         self.num_generation_tokens += num_sampled
-        self.num_prompt_tokens += batch.num_batched_tokens - sum(
-            1 for s in batch.scheduled if s.start_pos >= s.num_prompt_tokens)
+        # the scheduled tokens at prompt positions (not decodes, not drafts)
+        self.num_prompt_tokens += sum(max(0, min(s.num_tokens, s.num_prompt_tokens - s.start_pos))
+                                      for s in batch.scheduled)
         self.num_running, self.num_waiting = scheduler.num_running, scheduler.num_waiting
         self.kv_usage = kv_manager.usage
         self.num_preemptions = scheduler.num_preemptions

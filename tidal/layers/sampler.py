@@ -28,6 +28,17 @@ from tidal.device import to_device
 from tidal.layers import cpu_kernels
 from tidal.sampling_params import SamplingParams
 
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+_PLAIN_GREEDY: dict[tuple[int, torch.device], "SamplingMetadata"] = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """n fp32 zeros, a view of one cached tensor per device (the all-greedy temperature, never written)."""
+    z = _ZEROS.get(device)
+    if z is None or z.shape[0] < n:
+        z = _ZEROS[device] = torch.zeros(max(n, 256), device=device)
+    return z[:n]
+
 
 @dataclass
 class SamplingMetadata:
@@ -77,8 +88,17 @@ class SamplingMetadata:
 
     @classmethod
     def plain_greedy(cls, n: int, device: torch.device | str) -> SamplingMetadata:
-        """n rows that only need an argmax (greedy; no logprobs, penalties, banned ids or grammar)."""
-        return cls(temperature=torch.zeros(n, device=device), all_greedy=True, all_random=False, top_k=None,
+        """n rows that only need an argmax (greedy; no logprobs, penalties, banned ids or grammar). The
+        sampler never writes its metadata, so one object per (n, device) serves every step."""
+        key = (n, torch.device(device))
+        meta = _PLAIN_GREEDY.get(key)
+        if meta is None:
+            meta = _PLAIN_GREEDY[key] = cls._plain_greedy(n, key[1])
+        return meta
+
+    @classmethod
+    def _plain_greedy(cls, n: int, device: torch.device) -> SamplingMetadata:
+        return cls(temperature=_zeros(n, device), all_greedy=True, all_random=False, top_k=None,
                    top_p=None, min_p=None, seeds=None, seeded=None, draw_index=None, repetition_penalty=None,
                    presence_penalty=None, frequency_penalty=None, prompt_token_ids=None, output_token_ids=None,
                    banned_token_ids=None, num_logprobs=[None] * n)

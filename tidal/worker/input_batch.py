@@ -51,6 +51,8 @@ class StepInputs:
     token_rows: torch.Tensor       # [num_tokens] int64: each token's row in block_table
     block_table: torch.Tensor      # [max_num_seqs, max_blocks] int64, the whole persistent table
     block_size: int
+    token_seq_lens: torch.Tensor   # [num_tokens] int64: position + 1, the context each token attends to
+    max_seq_len: int
 
 
 class InputBatch:
@@ -71,9 +73,10 @@ class InputBatch:
         self._positions = torch.zeros(n, dtype=torch.int64)
         self._slot_mapping = torch.zeros(n, dtype=torch.int64)
         self._token_rows = torch.zeros(n, dtype=torch.int64)
+        self._token_seq_lens = torch.zeros(n, dtype=torch.int64)
         # numpy views of the same memory, written by prepare()
         self._np = {name: getattr(self, name).numpy() for name in ("_input_ids", "_positions", "_slot_mapping",
-                                                                    "_token_rows")}
+                                                                    "_token_rows", "_token_seq_lens")}
         self._arange = np.arange(max(n, max_num_seqs) + 1, dtype=np.int64)
 
     # -- deltas from the scheduler ------------------------------------------------------------------
@@ -134,7 +137,7 @@ class InputBatch:
         rows = np.fromiter((held[r.request_id].row for r in reqs), dtype=np.int64, count=B)
         q_lens = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=B)
         starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=B)
-        T = int(q_lens.sum())
+        T = sum(r.num_tokens for r in reqs)  # (Python ints: numpy reductions cost more on arrays this small)
         if T == B:  # decode-only (the common step): one token per request, no expansion to do
             query_start_loc = self._arange[:B + 1]
             positions, token_rows, num_decodes = starts, rows, B
@@ -152,6 +155,8 @@ class InputBatch:
         views["_input_ids"][:T] = self.token_ids[token_rows, positions]
         views["_positions"][:T] = positions
         views["_token_rows"][:T] = token_rows
+        np.add(positions, 1, out=views["_token_seq_lens"][:T])
         np.add(self.block_table[token_rows, positions // bs] * bs, positions % bs, out=views["_slot_mapping"][:T])
         return StepInputs(reqs, rows, T, num_decodes, query_start_loc, starts + q_lens, input_ids, pos_t, slots,
-                          rows_t, self._block_table, bs)
+                          rows_t, self._block_table, bs, self._token_seq_lens[:T],
+                          max(r.start_pos + r.num_tokens for r in reqs))

@@ -168,11 +168,11 @@ class ModelRunner:
         self.restore_states(so.scheduled)
         return self.run(so.scheduled, so)
 
-    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None = None,
             compute_logits: bool = True) -> RunnerOutput:
-        """Forward and sample `scheduled` (all or part of a step whose deltas update_states applied).
-        compute_logits False: only the forward (a pipeline stage before the last)."""
+        """Forward and sample `scheduled` (all or part of a step whose deltas update_states applied), under
+        torch.inference_mode (the caller's). compute_logits False: only the forward (a pipeline stage before
+        the last)."""
         out = RunnerOutput()
         if not scheduled:
             return out
@@ -191,7 +191,9 @@ class ModelRunner:
             first = int(starts[i + 1]) - 1 - k
             rows.extend(range(first, first + k + 1))
         if rows:
-            logits = self._compute_logits(hidden[self._on_device(rows)])
+            # every token samples (decodes): no gather
+            picked = hidden if len(rows) == step.num_tokens else hidden[self._on_device(rows)]
+            logits = self._compute_logits(picked)
             sample_only = [r for _, r in sample_reqs]
             result = self.sampler(logits, self._sampling_metadata(so, sample_only, logits.shape[-1]))
             j = 0

@@ -141,6 +141,7 @@ class Worker:
             out = self._execute_pipelined(so)
         return out if self.is_output_rank else None
 
+    @torch.inference_mode()
     def _execute_pipelined(self, so: SchedulerOutput) -> RunnerOutput:
         from tidal.distributed import wait_pp_sends
         out = RunnerOutput()

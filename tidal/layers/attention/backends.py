@@ -53,8 +53,8 @@ class CPUNativeBackend(AttentionBackend):
     name = "cpu_native"
 
     def build(self, step, device: torch.device) -> PagedMetadata:
-        return PagedMetadata(step.slot_mapping, step.block_table, step.token_rows, step.positions + 1,
-                             int(step.seq_lens.max()) if len(step.seq_lens) else 0)
+        return PagedMetadata(step.slot_mapping, step.block_table, step.token_rows, step.token_seq_lens,
+                             step.max_seq_len)
 
     def forward(self, layer, q, k, v, meta: PagedMetadata) -> torch.Tensor:
         T = q.shape[0]
