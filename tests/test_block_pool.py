@@ -204,11 +204,6 @@ def test_core_imports_no_torch():
             assert not any(n.split(".")[0] == "torch" for n in names), f"{path.name} imports torch"
 
 
-@pytest.mark.xfail(strict=True, reason="kv_cache_manager.get_computed_blocks returns every memoised block hash, "
-                   "not only those before the last token: a request whose KV was fully computed (and hashed) and "
-                   "that is re-admitted before a new token is appended gets a full hit and 0 tokens to compute. "
-                   "Unreachable today (Scheduler.update appends the sampled token before any preemption), "
-                   "but the method's contract says a hit always leaves the last token to compute.")
 def test_prefix_hit_always_leaves_the_last_token_to_compute():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     req = Request("a", list(range(1, 9)), SamplingParams())

@@ -57,8 +57,11 @@ def test_forced_preemption_gives_identical_outputs(tiny_model_dir, prompts, refe
     assert engine.stats.num_preemptions == engine.scheduler.num_preemptions
     assert_engine_idle(engine)
     assert len(outs) == NUM_REQUESTS
+    assert sum(o.metrics.num_preemptions for o in outs) == engine.scheduler.num_preemptions
     for i, (out, ref) in enumerate(zip(outs, reference)):
         got, want = out.outputs[0], ref.outputs[0]
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
         assert out.finished and got.finish_reason == "length"
         assert got.token_ids == want.token_ids, f"request {i} changed under preemption"
         assert len(out.prompt_logprobs) == len(prompts[i])

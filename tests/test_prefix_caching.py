@@ -206,6 +206,20 @@ def test_reset_prefix_cache_drops_unreferenced_blocks(model_dir):
     assert llm.generate(prompt, greedy(4), use_tqdm=False)[0].num_cached_tokens == 32
 
 
+def test_reset_prefix_cache_reports_blocks_still_in_use(model_dir):
+    prompt = random_prompts(1, 40, 40, 512, seed=11)[0]
+    llm = make_llm(model_dir)
+    engine = llm.llm_engine
+    engine.add_request("running", {"prompt_token_ids": prompt}, greedy(8))
+    engine.step()  # the prompt's full blocks are cached and held by the running request
+    assert engine.kv_manager.pool.num_cached_blocks > 0
+    assert llm.reset_prefix_cache() is False, "blocks in use keep their entries: the reset is partial"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+    assert engine.kv_manager.pool.num_cached_blocks == 0
+
+
 def test_no_enable_prefix_caching_flag(model_dir):
     parser = add_engine_args(argparse.ArgumentParser())
     assert engine_config_from_args(parser.parse_args([]), model_dir).enable_prefix_caching is True

@@ -45,6 +45,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # when the scheduler first admitted it
         self.state_slot: int | None = None  # recurrent-state slot for Mamba layers
         # structured outputs: an object with `.ready` (its grammar has compiled); the engine's
         # StructuredOutputManager owns what is behind it

@@ -63,11 +63,14 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks at the start of the request's tokens, and how many
         tokens they hold. The last token is always recomputed (its logits are needed), so hits
-        stop at the last full block before it and at least one token is computed. Takes no references: pass the
-        blocks to allocate_slots in the same scheduling pass."""
+        stop at the last full block before it and at least one token is computed. Takes no
+        references: pass the blocks to allocate_slots in the same scheduling pass."""
         if not self.reads_prefix_cache(request):
             return [], 0
-        hashes = self._block_hashes(request, request.num_tokens - 1)
+        # (the memo may hold more hashes than that: a block filled by computed tokens that a preemption
+        # then freed before a new token was appended)
+        usable = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, request.num_tokens - 1)[:usable]
         hits = []
         for block_hash in hashes:
             block = self.pool.get_cached_block(block_hash)

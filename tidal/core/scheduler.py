@@ -11,6 +11,7 @@ No request is ever dropped.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,6 +177,8 @@ class Scheduler:
             if restore is not None:
                 self._state_restores[request.request_id] = restore
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new

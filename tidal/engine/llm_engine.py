@@ -316,10 +316,13 @@ class LLMEngine:
         return self.tokenizer
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the cached blocks no request uses. Returns True when the whole cache is now empty, False
+        when running requests still hold cached blocks (their entries stay: their KV is valid and they
+        extend it), as vLLM reports a reset that could not be complete."""
         self.kv_manager.reset_prefix_cache()
         if self.scheduler.state_checkpoints is not None:
             self.scheduler.state_checkpoints.reset()
-        return True
+        return self.kv_manager.pool.num_cached_blocks == 0
 
     def check_health(self) -> None:
         """Raises WorkerError if a worker process has died or stopped answering."""

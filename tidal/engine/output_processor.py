@@ -29,6 +29,7 @@ class SampleState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # for delta outputs
     sent_text: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -106,6 +107,12 @@ class OutputProcessor:
         state.metrics.last_token_time = now
         if index == 0:  # sample 0 computes the prompt; later samples hit its blocks, not earlier requests'
             state.num_cached_tokens = max(request.num_cached_tokens, 0)
+        m = state.metrics
+        if request.first_scheduled_time is not None and (m.first_scheduled_time is None
+                                                         or request.first_scheduled_time < m.first_scheduled_time):
+            m.first_scheduled_time = request.first_scheduled_time
+        sample.num_preemptions = request.num_preemptions
+        m.num_preemptions = sum(s.num_preemptions for s in state.samples)
         sample.token_ids.extend(token_ids)
         if logprobs is not None and sample.logprobs is not None:
             for token, lp in zip(token_ids, logprobs):
