@@ -193,3 +193,39 @@ def test_an_exception_mid_generate_aborts_its_requests(tiny_model_dir, monkeypat
     assert_engine_idle(engine)
     monkeypatch.setattr(engine, "step", real_step)
     assert len(llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_request_ids_never_clobber_another_requests_samples(tiny_model_dir):
+    """x with n = 2 runs as samples x#0 and x#1: a request named x#0 must not replace its sample, and a
+    later x with n = 2 must not take a running request's id."""
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    two = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2)
+    engine.add_request("y#0", {"prompt_token_ids": [3, 4, 5]}, params)
+    engine.add_request("y", {"prompt_token_ids": [6, 7, 8]}, two)       # its samples are renamed
+    engine.add_request("x", {"prompt_token_ids": [9, 10, 11]}, two)
+    with pytest.raises(ValueError, match="'x#0' is already in use"):
+        engine.add_request("x#0", {"prompt_token_ids": [1, 2]}, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert sorted(outs) == ["x", "y", "y#0"]
+    assert outs["y#0"].prompt_token_ids == [3, 4, 5] and len(outs["y#0"].outputs) == 1
+    for rid in ("x", "y"):
+        assert [len(o.token_ids) for o in outs[rid].outputs] == [5, 5]
+    assert_engine_idle(engine)
+
+
+def test_stop_strings_without_text_are_refused(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=8)  # a tiny model without tokenizer files
+    with pytest.raises(ValueError, match="stop strings need the output text, but this model has no tokenizer"):
+        llm.generate([[1, 2, 3]], SamplingParams(stop=["\n"]), use_tqdm=False)
+    assert_engine_idle(llm.llm_engine)
+
+
+def test_stop_strings_with_detokenize_false_are_refused(smollm2):
+    with pytest.raises(ValueError, match="detokenize is False"):
+        smollm2.generate("Hi", SamplingParams(stop=["\n"], detokenize=False, max_tokens=2), use_tqdm=False)

@@ -207,6 +207,22 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.structured_outputs is not None:
             self.structured.validate(params.structured_outputs)
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            why = "this model has no tokenizer" if self.tokenizer is None else "detokenize is False"
+            raise ValueError(f"stop strings need the output text, but {why}: use stop_token_ids")
+
+    def _child_ids(self, request_id: str, n: int) -> list[str]:
+        """The scheduler's ids of a request's samples: the request id itself for n = 1; for n > 1,
+        request_id#i, renamed (request_id~k#i) where a request already holds such an id."""
+        if n == 1:
+            if request_id in self.scheduler.requests:  # the id of another request's sample
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            return [request_id]
+        base, k = request_id, 0
+        while any(f"{base}#{i}" in self.scheduler.requests for i in range(n)):
+            k += 1
+            base = f"{request_id}~{k}"
+        return [f"{base}#{i}" for i in range(n)]
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
@@ -216,7 +232,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)
         arrival_time = arrival_time or time.time()
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        child_ids = self._child_ids(request_id, params.n)
         self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
         for i, cid in enumerate(child_ids):
             p = params if params.n == 1 else params.clone(
