@@ -229,3 +229,33 @@ def test_stop_strings_without_text_are_refused(tiny_model_dir):
 def test_stop_strings_with_detokenize_false_are_refused(smollm2):
     with pytest.raises(ValueError, match="detokenize is False"):
         smollm2.generate("Hi", SamplingParams(stop=["\n"], detokenize=False, max_tokens=2), use_tqdm=False)
+
+
+def test_streaming_n_2_reports_a_sample_that_finished_early_once(tiny_model_dir):
+    """One sample stops at a stop id while the other runs on: its finish is sent once, never again in
+    the later chunks, and the stats' time per output token counts every token, not the last chunk's."""
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=8)
+    engine = llm.llm_engine
+    base = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, base, use_tqdm=False)[0]
+    stop_at = first.outputs[0].token_ids[1]  # sample 0 stops at its second token
+    assert stop_at not in first.outputs[1].token_ids[:4], "pick a seed where sample 1 runs on"
+    params = base.clone(stop_token_ids=[stop_at])
+    final = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params, use_tqdm=False)[0]
+    assert [len(s.token_ids) for s in final.outputs][0] == 2 and len(final.outputs[1].token_ids) > 4
+    engine.add_request("s", {"prompt_token_ids": [5, 6, 7, 8, 9]}, params.clone(output_kind="delta"))
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    finishes: dict[int, int] = {0: 0, 1: 0}
+    tpot_before = len(engine.stats.tpot)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for sample in out.outputs:
+                streamed[sample.index] += sample.token_ids
+                finishes[sample.index] += sample.finish_reason is not None
+    assert streamed == {s.index: s.token_ids for s in final.outputs}
+    assert finishes == {0: 1, 1: 1}
+    m = out.metrics
+    assert m.num_generation_tokens == len(final.outputs[1].token_ids)
+    assert engine.stats.tpot[tpot_before] == pytest.approx(
+        (m.last_token_time - m.first_token_time) / (m.num_generation_tokens - 1))
+    assert_engine_idle(engine)

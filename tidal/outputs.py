@@ -24,6 +24,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_generation_tokens: int = 0  # of the longest sample (whatever a delta output carries)
 
 
 @dataclass

@@ -29,6 +29,7 @@ class SampleState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # for delta outputs
     sent_text: int = 0
+    sent_finish: bool = False  # delta outputs: its finish has been reported (never report it twice)
     num_preemptions: int = 0
 
 
@@ -113,6 +114,7 @@ class OutputProcessor:
             m.first_scheduled_time = request.first_scheduled_time
         sample.num_preemptions = request.num_preemptions
         m.num_preemptions = sum(s.num_preemptions for s in state.samples)
+        m.num_generation_tokens = max(m.num_generation_tokens, len(sample.token_ids) + len(token_ids))
         sample.token_ids.extend(token_ids)
         if logprobs is not None and sample.logprobs is not None:
             for token, lp in zip(token_ids, logprobs):
@@ -143,11 +145,12 @@ class OutputProcessor:
             if kind == "delta":
                 text, tokens = s.text[s.sent_text:text_end], s.token_ids[s.sent_tokens:]
                 lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
-                if not tokens and s.finish_reason is None and not text:
+                if not tokens and not text and (s.finish_reason is None or s.sent_finish):
                     continue
             else:
                 text, tokens, lps = s.text[:text_end], list(s.token_ids), s.logprobs
             s.sent_text, s.sent_tokens = text_end, len(s.token_ids)
+            s.sent_finish = s.finish_reason is not None
             outs.append(CompletionOutput(s.index, text, tokens, s.cumulative_logprob,
                                          list(lps) if lps is not None else None, s.finish_reason, s.stop_reason))
         if finished:

@@ -55,7 +55,7 @@ class EngineStats:
         self.ttft.append(m.first_token_time - m.arrival_time)
         end = m.finished_time or m.last_token_time
         self.e2e.append(end - m.arrival_time)
-        n = max(len(o.token_ids) for o in out.outputs) if out.outputs else 0
+        n = m.num_generation_tokens  # not the output's tokens: a delta output carries only the last ones
         if n > 1:
             self.tpot.append((m.last_token_time - m.first_token_time) / (n - 1))
 
