@@ -264,3 +264,21 @@ def test_bf16_cached_chat_equals_uncached_on_the_default_model():
     del llm
     llm = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == cached
+
+
+def test_n_samples_with_prompt_logprobs_compute_the_prompt_once(model_dir):
+    """Only the first sample computes the prompt (prompt logprobs need every row's logits); the others
+    read its blocks, as samples without prompt logprobs do."""
+    prompt = random_prompts(1, 40, 40, 512, seed=12)[0]
+    llm = make_llm(model_dir)
+    before = llm.llm_engine.stats.num_prompt_tokens
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    computed = llm.llm_engine.stats.num_prompt_tokens - before
+    assert computed == 40 + 2 * (40 - 32), f"{computed} prompt tokens computed for 3 samples of a 40-token prompt"
+    assert len(out.outputs) == 3 and len(out.prompt_logprobs) == 40
+    single = llm.generate({"prompt_token_ids": prompt}, params.clone(n=1), use_tqdm=False)[0]
+    for pos in range(1, 40):
+        tok = prompt[pos]
+        assert out.prompt_logprobs[pos][tok].logprob == pytest.approx(single.prompt_logprobs[pos][tok].logprob,
+                                                                      abs=1e-5)

@@ -235,8 +235,11 @@ class LLMEngine:
         child_ids = self._child_ids(request_id, params.n)
         self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
         for i, cid in enumerate(child_ids):
+            # sample 0 computes the prompt (and its logprobs, the only ones reported); the others read
+            # its blocks from the prefix cache
             p = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
+                n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             request = Request(cid, ids, p, self.eos_token_ids, arrival_time, cache_salt)
             if p.structured_outputs is not None:
                 request.structured = self.structured.start(p.structured_outputs)
