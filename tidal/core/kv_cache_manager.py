@@ -136,8 +136,12 @@ class KVCacheManager:
         if request.is_finished:
             self.req_to_hashes.pop(request.request_id, None)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its start-th block on (start > 0: only those added since)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]
+
+    def num_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

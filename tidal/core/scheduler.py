@@ -195,13 +195,12 @@ class Scheduler:
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start, rid = request.num_computed_tokens, request.request_id
         spec, request.spec_token_ids = request.spec_token_ids, []  # drafts are good for one step
-        block_ids = self.kv.get_block_ids(rid)
         sent = self._sent.get(rid)
         new = None
         if sent is None:
             sent = (0, 0)
             new = NewRequestData(request.sampling_params, request.num_prompt_tokens, request.state_slot)
-        self._sent[rid] = (request.num_tokens, len(block_ids))
+        self._sent[rid] = (request.num_tokens, self.kv.num_blocks(rid))
         return ScheduledRequest(
             request_id=rid,
             num_tokens=num_new,
@@ -209,7 +208,7 @@ class Scheduler:
             sample=start + num_new - len(spec) == request.num_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             new_token_ids=request.all_token_ids[sent[0]:],
-            new_block_ids=block_ids[sent[1]:],
+            new_block_ids=self.kv.get_block_ids(rid, sent[1]),
             new=new,
             spec_token_ids=spec,
             state_restore_from=self._state_restores.pop(rid, None),

@@ -22,6 +22,7 @@ from tidal.engine.stop_checker import append_tokens
 from tidal.loader import load_model
 from tidal.loader.loader import load_generation_config
 from tidal.outputs import RequestOutput
+from tidal.platforms import get_platform
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tidal.structured_outputs.manager import StructuredOutputManager
@@ -95,9 +96,7 @@ class LLMEngine:
                                    self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints)
         if state_pool is not None:
             self._log_hybrid_plan(plan, state_pool)
-        if config.device == "cpu":
-            from tidal.layers import cpu_kernels
-            logger.info(cpu_kernels.describe())
+        logger.info(get_platform(config.device).describe())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
         self.stats = EngineStats()

@@ -207,51 +207,10 @@ def gemm_lib() -> ctypes.CDLL | None:
 SKINNY_MAX_ROWS = 4
 
 
-def linear_f32_bf16w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] fp32 @ weight [N, K] bf16 ^T (+ fp32 bias) in fp32, on CPU: the weights widened in
-    registers. A row's result does not depend on the other rows. None when the kernel does not apply."""
-    if (x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or (bias is not None and bias.dtype != torch.float32)):
-        return None
-    lib = _GEMM_LIB.get()
-    if lib is None:
-        return None
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    weight = weight.contiguous()
-    M, K = x2.shape
-    N = weight.shape[0]
-    out = torch.empty(M, N, dtype=torch.float32)
-    lib.tidal_linear_f32_bf16w(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-                               out.data_ptr(), M, N, K, torch.get_num_threads())
-    return out.view(*shape[:-1], N)
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K]^T (+ bias) for M <= SKINNY_MAX_ROWS, bf16 on CPU; None when it does not
-    apply (callers fall back to oneDNN)."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return None
-    lib = _GEMM_LIB.get()
-    if lib is None:
-        return None
-    x = x.contiguous()
-    M, K = x.shape
-    N = weight.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype)
-    if lib.tidal_skinny_gemm_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                  out.data_ptr(), M, N, K, torch.get_num_threads()) != 0:
-        return None
-    return out
-
-
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] @ weight [N, K]^T (+ bias), all bf16 on CPU, any number of rows, straight from the plain
-    weight (VDPBF16PS; AVX-512 BF16 builds only). A row's result does not depend on the other rows.
-    None when it does not apply (callers fall back to F.linear)."""
-    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or (bias is not None and bias.dtype != torch.bfloat16)):
-        return None
+def _gemm(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]^T (+ bias) through one of gemm.cpp's kernels (same signature: x, w, bias,
+    out, M, N, K, threads; a non-zero return means it does not apply here). None when it does not run."""
     lib = _GEMM_LIB.get()
     if lib is None:
         return None
@@ -261,9 +220,36 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     N = weight.shape[0]
     if M == 0:
         return None
-    out = torch.empty(M, N, dtype=torch.bfloat16)
-    if lib.tidal_gemm_bf16(x2.data_ptr(), weight.contiguous().data_ptr(),
-                           None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), M, N, K,
-                           torch.get_num_threads()) != 0:
+    out = torch.empty(M, N, dtype=out_dtype)
+    if getattr(lib, kernel)(x2.data_ptr(), weight.contiguous().data_ptr(),
+                            None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), M, N, K,
+                            torch.get_num_threads()):
         return None
     return out.view(*shape[:-1], N)
+
+
+def linear_f32_bf16w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] fp32 @ weight [N, K] bf16 ^T (+ fp32 bias) in fp32, on CPU: the weights widened in
+    registers. A row's result does not depend on the other rows. None when the kernel does not apply."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.float32)):
+        return None
+    return _gemm("tidal_linear_f32_bf16w", x, weight, bias, torch.float32)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] @ weight[N, K]^T (+ bias) for M <= SKINNY_MAX_ROWS, bf16 on CPU; None when it does not
+    apply (callers fall back to the blocked kernel)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return _gemm("tidal_skinny_gemm_bf16", x, weight, bias, torch.bfloat16)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]^T (+ bias), all bf16 on CPU, any number of rows, straight from the plain
+    weight (VDPBF16PS; AVX-512 BF16 builds only). A row's result does not depend on the other rows.
+    None when it does not apply (callers fall back to F.linear)."""
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.bfloat16)):
+        return None
+    return _gemm("tidal_gemm_bf16", x, weight, bias, torch.bfloat16)
