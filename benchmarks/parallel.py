@@ -1,5 +1,5 @@
 """Tensor / pipeline parallelism: what each rank holds and what the communication costs, plus a paper
-estimate for Jamba-Large on 8 GPUs with int8 weights.
+estimate for Jamba-1.5-Large on 8 GPUs with INT8 experts (tidal.worker.sizing).
 
     python benchmarks/parallel.py                       # measure tp=1, tp=2, pp=2 on the default model
     python benchmarks/parallel.py --configs 1x1,1x2,1x3 # TPxPP pairs
@@ -9,10 +9,10 @@ estimate for Jamba-Large on 8 GPUs with int8 weights.
 
 Measured: weight bytes per rank (each worker reports the parameters it built and loaded) and output
 tokens/s of a fixed greedy workload. On a machine with few cores this measures the overhead of the
-workers and their collectives, not a speed-up. The estimate builds the real Tidal Jamba model on the
-meta device with the tensor-parallel state of rank 0 of 8 set, so parameter shapes, KV bytes per
-token and Mamba state bytes per request come from the same code the engine sizes its caches with
-(ModelRunner.kv_bytes_per_token / state_bytes_per_request, tidal/worker/memory.py).
+workers and their collectives, not a speed-up. The estimate (tidal.worker.sizing.estimate_memory)
+builds the real Tidal Jamba model, quantized with experts_int8, on the meta device with the
+tensor-parallel state of rank 0 of 8 set, so parameter shapes and bytes, KV bytes per token and Mamba
+state bytes per request come from the same code the engine loads and sizes its caches with.
 """
 from __future__ import annotations
 
@@ -24,16 +24,8 @@ import time
 
 import torch
 
-from tidal.worker.memory import plan_kv_cache, plan_state_slots
 
 # AI21-Jamba-1.5-Large (398B parameters, 94B active), as in its config.json
-JAMBA_LARGE = dict(vocab_size=65536, hidden_size=8192, intermediate_size=24576, num_hidden_layers=72,
-                   num_attention_heads=64, num_key_value_heads=8, attn_layer_period=8, attn_layer_offset=4,
-                   expert_layer_period=2, expert_layer_offset=1, num_experts=16, num_experts_per_tok=2,
-                   mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=512, use_mamba_kernels=False,
-                   max_position_embeddings=262144, tie_word_embeddings=False)
-
-
 def measure(model: str | None, tp: int, pp: int, num_prompts: int, input_len: int, output_len: int,
             dtype: str) -> dict:
     from tidal import LLM, SamplingParams
@@ -131,83 +123,16 @@ def tiny_model(path: str) -> str:
     return path
 
 
-def _int8_weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes with int8 linear and expert weights + one fp32 scale per output row, bytes in bf16).
-    Embedding, LM head, norms and the Mamba conv / A / D / dt parameters stay bf16."""
-    from tidal.layers.linear import LinearBase
-    int8_ids, total_int8, total_bf16 = set(), 0, 0
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            int8_ids.add(id(module.weight))
-        for name in ("w13_weight", "w2_weight"):  # expert weights [num_experts, out, in]
-            if isinstance(getattr(module, name, None), torch.nn.Parameter):
-                int8_ids.add(id(getattr(module, name)))
-    for p in {id(p): p for p in model.parameters()}.values():
-        total_bf16 += p.numel() * 2
-        if id(p) in int8_ids:
-            out_rows = p.numel() // p.shape[-1]
-            total_int8 += p.numel() + 4 * out_rows
-        else:
-            total_int8 += p.numel() * 2
-    return total_int8, total_bf16
-
-
-def estimate_jamba_large(tp: int = 8, gpu_bytes: float = 80e9, gpu_memory_utilization: float = 0.9,
-                         activation_reserve: float = 4e9, block_size: int = 16, max_num_seqs: int = 4096,
-                         context_lens=(4096, 32768, 262144)) -> dict:
-    import transformers
-
-    from tidal.distributed import set_parallel_state
-    from tidal.models.jamba import JambaForCausalLM
-    from tidal.worker.model_runner import ModelRunner
-    config = transformers.JambaConfig(**JAMBA_LARGE)
-    set_parallel_state(tp_rank=0, tp_size=1)
-    with torch.device("meta"):
-        full = JambaForCausalLM(config, dtype=torch.bfloat16)
-    total_params = sum(p.numel() for p in {id(p): p for p in full.parameters()}.values())
-    set_parallel_state(tp_rank=0, tp_size=tp)  # rank 0 of tp: shapes as that worker builds them
-    try:
-        with torch.device("meta"):
-            model = JambaForCausalLM(config, dtype=torch.bfloat16)
-        runner = ModelRunner(model, torch.bfloat16, block_size)
-        kv_per_token = runner.kv_bytes_per_token()
-        state_per_request = runner.state_bytes_per_request()
-        weights_int8, weights_bf16 = _int8_weight_bytes(model)
-    finally:
-        set_parallel_state()
-    budget = int(gpu_bytes * gpu_memory_utilization - weights_int8 - activation_reserve)
-    rows = []
-    for L in context_lens:
-        # the engine's own split (memory.py): state slots take at most half, the KV cache the rest
-        slots = plan_state_slots(state_per_request, max_num_seqs, budget, kv_per_token > 0)
-        plan = plan_kv_cache(kv_per_token, block_size, L, budget - slots * state_per_request)
-        engine_fit = min(slots, plan.num_tokens // L)
-        per_request = state_per_request + L * kv_per_token
-        rows.append({"context_len": L, "bytes_per_request": per_request, "engine_plan_requests": engine_fit,
-                     "state_slots": slots, "kv_tokens": plan.num_tokens, "best_split_requests": budget // per_request})
-    return {"model": "AI21-Jamba-1.5-Large", "total_params": total_params, "tp": tp,
-            "weights_per_gpu_int8": weights_int8, "weights_per_gpu_bf16": weights_bf16,
-            "kv_bytes_per_token_per_gpu": kv_per_token, "state_bytes_per_request_per_gpu": state_per_request,
-            "gpu_bytes": gpu_bytes, "gpu_memory_utilization": gpu_memory_utilization,
-            "activation_reserve": activation_reserve, "cache_budget_per_gpu": budget, "rows": rows}
-
-
 def report_estimate(results: dict) -> None:
-    est = estimate_jamba_large()
-    results["jamba_large_estimate"] = est
-    gb = 1e9
-    print(f"\nJamba-1.5-Large ({est['total_params'] / 1e9:.1f}B parameters), tp={est['tp']}, int8 weights, bf16 KV:")
-    print(f"  weights per GPU: {est['weights_per_gpu_int8'] / gb:.1f} GB int8 "
-          f"({est['weights_per_gpu_bf16'] / gb:.1f} GB "
-          f"in bf16)")
-    print(f"  KV per token per GPU: {est['kv_bytes_per_token_per_gpu']} B; Mamba state per request per GPU: "
-          f"{est['state_bytes_per_request_per_gpu'] / 2**20:.2f} MiB")
-    print(f"  cache budget per GPU: {est['cache_budget_per_gpu'] / gb:.1f} GB (80 GB x {est['gpu_memory_utilization']} "
-          f"- weights - {est['activation_reserve'] / gb:.0f} GB activations)")
-    for row in est["rows"]:
-        print(f"  context {row['context_len']:>7}: {row['bytes_per_request'] / 2**20:9.1f} MiB per request per GPU; "
-              f"requests that fit: {row['engine_plan_requests']} with the engine's half/half split, "
-              f"{row['best_split_requests']} with the best split")
+    """Jamba-1.5-Large with INT8 experts on 8 x 80 GB GPUs, by the engine's own sizing code."""
+    from tidal.worker.sizing import bundled_config, describe, estimate_memory
+    config = bundled_config("jamba-1.5-large")
+    results["jamba_large_estimate"] = []
+    for kv in ("auto", "fp8"):
+        est = estimate_memory(config, quantization="experts_int8", kv_cache_dtype=kv, tensor_parallel_size=8,
+                              device_bytes=80e9)
+        results["jamba_large_estimate"].append(est.as_dict())
+        print("\n" + describe(est, "Jamba-1.5-Large", 80e9))
 
 
 def main() -> None:

@@ -63,11 +63,14 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         workers = uses_workers(config)  # tensor/pipeline parallel: the weights live in worker processes
-        loaded = load_model_meta(config) if workers else load_model(config.model, config.dtype, device=config.device)
+        loaded = load_model_meta(config) if workers else load_model(config.model, config.dtype,
+                                                                    quantization=config.quantization,
+                                                                    device=config.device)
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype  # activations and KV cache
+        self.quantization = loaded.quantization  # the scheme the weights are stored in (None: plain)
         hf = loaded.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = self._max_model_len(hf)
@@ -77,7 +80,9 @@ class LLMEngine:
         config.max_num_batched_tokens = self.max_num_batched_tokens  # the workers size their buffers by it
         if workers:  # same interface as a ModelRunner: execute / kv_bytes_per_token / allocate_kv_cache
             self.runner = self.executor = create_executor(config, self.eos_token_ids)
+            self.weight_bytes = sum(info.weight_bytes for info in self.executor.worker_infos)  # all ranks
         else:
+            self.weight_bytes = loaded.weight_bytes
             self.runner = ModelRunner.from_config(loaded, config, self.eos_token_ids)
             self.executor = UniProcExecutor(self.runner)
         budget = config.kv_cache_memory_bytes

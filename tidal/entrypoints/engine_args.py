@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from tidal.config import EngineConfig
+from tidal.layers.quantization import QUANTIZATION_METHODS
 
 
 def _bool_flag(parser, name: str, default: bool, help: str) -> None:
@@ -38,8 +39,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None)
-    g.add_argument("--quantization", "-q", default=None, help="weight quantization method (none supported yet: "
-                   "any value is refused)")
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="quantize the weights as they load: int8 (int8 weights, W8A16), w8a8 (int8 weights and "
+                   "activations), fp8 (E4M3 weights), experts_int8 (only MoE experts in int8); default: the "
+                   "checkpoint's own weights (an FP8 checkpoint loads as fp8)")
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (only 'auto': the model's dtype, bf16 "
                    "under fp32 activations with bf16 weights)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: derived)")

@@ -12,6 +12,7 @@ from tidal.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from tidal.layers.linear import cpu_linear
+from tidal.layers.quantization.methods import weight_only_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -26,6 +27,14 @@ class VocabParallelEmbedding(nn.Module):
         self.dtype = dtype  # of the output; the table may be stored narrower (loader.narrow_embeddings)
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # per-row scales once the table is quantized (int8 / E4M3: quantization.methods.quantize_embeddings)
+        self.weight_scale: torch.Tensor | None = None
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's table for local ids, in the output dtype."""
+        if self.weight_scale is None:
+            return F.embedding(ids, self.weight).to(self.dtype)
+        return (self.weight[ids].to(torch.float32) * self.weight_scale[ids].unsqueeze(-1)).to(self.dtype)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         rows = loaded[self.vocab_start:self.vocab_end]
@@ -33,10 +42,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight).to(self.dtype)
+            return self.lookup(input_ids)
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local = torch.where(in_shard, input_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight).to(self.dtype) * in_shard.unsqueeze(-1).to(self.dtype)
+        out = self.lookup(local) * in_shard.unsqueeze(-1).to(self.dtype)
         return tensor_model_parallel_all_reduce(out)
 
 
@@ -50,6 +59,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] logits, gathered across ranks."""
-        logits = cpu_linear(hidden, self.weight, None)
+        if self.weight_scale is None:
+            logits = cpu_linear(hidden, self.weight, None)
+        else:  # a quantized table: weight-only product (activations unquantized) in every scheme
+            logits = weight_only_linear(hidden, self.weight, self.weight_scale, None)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size]

@@ -26,11 +26,17 @@ from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, bf16_linear, linear_f32_bf
 
 
 class UnquantizedLinearMethod:
+    """The plain weight [out, in] in the model dtype: the one copy the CPU kernels read as it is."""
+
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
+    def load_weight(self, layer: nn.Module, row_offset: int, loaded: torch.Tensor) -> None:
+        """Store checkpoint rows (this rank's slice, already cut) at rows [row_offset, ...) of the weight."""
+        default_weight_loader(layer.weight.data.narrow(0, row_offset, loaded.shape[0]), loaded)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        pass  # the plain weight is the only copy: the CPU kernels read it as it is
+        pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_linear(x, layer.weight, bias)
@@ -43,9 +49,6 @@ class Bf16WeightLinearMethod(UnquantizedLinearMethod):
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.bfloat16), requires_grad=False)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return bf16_weight_linear(x, layer.weight, bias)
@@ -97,26 +100,58 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
+    """quant_method: a linear method, or a QuantizationConfig (tidal.layers.quantization) that gives one.
+    Subclasses say where checkpoint rows go (`shard_rows`) and which input columns are this rank's
+    (`rank_columns`); the method stores them (plain, narrowed or quantized)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, quant_method=None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        if hasattr(quant_method, "linear_method"):
+            quant_method = quant_method.linear_method()
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, in_features, out_features, dtype)
-        _set_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False)
-            _set_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
+        for param in self.parameters(recurse=False):
+            _set_loader(param, self.weight_loader)
+
+    def shard_rows(self, shard_id) -> tuple[int, int | None, int]:
+        """(row offset in this rank's weight, first row in the checkpoint tensor or None for the whole
+        tensor, number of rows) of checkpoint shard `shard_id`."""
+        return 0, None, self.out_features
+
+    def rank_columns(self, loaded: torch.Tensor) -> torch.Tensor:
+        return loaded
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        offset, start, size = self.shard_rows(shard_id)
+        if param.dim() == 1 and loaded.numel() == 1 and size > 1:  # a per-tensor scale of one shard
+            param.data.narrow(0, offset, size).fill_(loaded.reshape(()).item())
+            return
+        if param.dim() == 1:  # bias, per-channel scales ([rows] or [rows, 1])
+            loaded = loaded.reshape(-1)
+        elif param is self.weight:
+            loaded = self.rank_columns(loaded)
+        if start is None:
+            if loaded.shape[0] != size:
+                raise ValueError(f"weight shape {tuple(loaded.shape)} does not match {size} rows")
+            start = 0
+        rows = loaded.narrow(0, start, size)
+        if param is self.weight:
+            self.quant_method.load_weight(self, offset, rows)
+        else:
+            default_weight_loader(param.data.narrow(0, offset, size), rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        default_weight_loader(param, loaded)
+    pass
 
 
 def _even_split(size: int, tp: int, what: str) -> list[int]:
@@ -132,9 +167,8 @@ class ColumnParallelLinear(LinearBase):
         self.rank_sizes = rank_sizes or _even_split(out_features, get_tp_size(), "output size")
         super().__init__(in_features, self.rank_sizes[get_tp_rank()], bias, dtype, quant_method)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        start = sum(self.rank_sizes[:self.tp_rank])
-        default_weight_loader(param, loaded.narrow(0, start, param.shape[0]))
+    def shard_rows(self, shard_id) -> tuple[int, int | None, int]:
+        return 0, sum(self.rank_sizes[:self.tp_rank]), self.out_features
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -145,13 +179,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, dtype, quant_method)
 
-    def weight_loader(self, param, loaded, shard_id: int | None = None) -> None:
+    def shard_rows(self, shard_id) -> tuple[int, int | None, int]:
         if shard_id is None:
-            return super().weight_loader(param, loaded)
+            return super().shard_rows(shard_id)
         tp = self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+        return sum(self.output_sizes[:shard_id]) // tp, self.tp_rank * size, size
 
 
 @dataclass(frozen=True)
@@ -205,17 +238,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         """Each rank's query width: the input split of the matching row-parallel output projection."""
         return [s.num_heads * self.head_dim for s in self.shards]
 
-    def weight_loader(self, param, loaded, shard_id: str | None = None) -> None:
+    def shard_rows(self, shard_id) -> tuple[int, int | None, int]:
         if shard_id is None:
             raise ValueError("QKVParallelLinear loads q, k and v separately")
         d, shard = self.head_dim, self.shard
         q_size, kv_size = shard.num_heads * d, shard.num_kv_heads * d
         if shard_id == "q":
-            offset, start, size = 0, shard.q_start * d, q_size
-        else:
-            offset = q_size + (0 if shard_id == "k" else kv_size)
-            start, size = shard.kv_start * d, kv_size
-        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+            return 0, shard.q_start * d, q_size
+        return q_size + (0 if shard_id == "k" else kv_size), shard.kv_start * d, kv_size
 
 
 class RowParallelLinear(LinearBase):
@@ -228,11 +258,10 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"rank_sizes {self.rank_sizes} do not add up to the input size {in_features}")
         super().__init__(self.rank_sizes[get_tp_rank()], out_features, bias, dtype, quant_method)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        if param.dim() == 1:  # bias: whole on every rank, added once after the reduction
-            return default_weight_loader(param, loaded)
-        start = sum(self.rank_sizes[:self.tp_rank])
-        default_weight_loader(param, loaded.narrow(1, start, param.shape[1]))
+    def rank_columns(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's input columns (the bias and per-row scales are whole on every rank; the bias is
+        added once, after the reduction)."""
+        return loaded.narrow(1, sum(self.rank_sizes[:self.tp_rank]), self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

@@ -86,9 +86,8 @@ class MambaMixer(nn.Module):
         self.dtype = dtype
         self.in_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=use_bias, dtype=dtype,
                                                   quant_method=quant_method)
-        for p in (self.in_proj.weight, self.in_proj.bias):
-            if p is not None:  # the checkpoint stores [x; gate] as one tensor: load each half as its shard
-                p.weight_loader = self._load_in_proj
+        for p in self.in_proj.parameters():  # the checkpoint stores [x; gate] as one tensor: each half is a shard
+            p.weight_loader = self._load_in_proj
         self.conv1d = _DepthwiseConv1d(self.d_inner, conv_kernel, use_conv_bias, dtype)
         self.x_proj = RowParallelLinear(intermediate_size, time_step_rank + 2 * state_size, bias=False, dtype=dtype)
         self.dt_proj = ColumnParallelLinear(time_step_rank, intermediate_size, bias=True, dtype=dtype)
@@ -108,7 +107,8 @@ class MambaMixer(nn.Module):
         self.ssm_state: torch.Tensor | None = None
 
     def _load_in_proj(self, param, loaded, shard_id=None) -> None:
-        for i, half in enumerate(loaded.chunk(2, dim=0)):
+        halves = (loaded, loaded) if loaded.numel() == 1 else loaded.chunk(2, dim=0)  # a per-tensor scale: both
+        for i, half in enumerate(halves):
             MergedColumnParallelLinear.weight_loader(self.in_proj, param, half, i)
 
     # -- state -----------------------------------------------------------------------------------

@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from tidal.layers.linear import ReplicatedLinear, default_weight_loader
+from tidal.layers.linear import ReplicatedLinear
+from tidal.layers.quantization.methods import UnquantizedMoEMethod
 
 # checkpoint matrix name -> our shard name
 _EXPERT_SHARDS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -43,7 +44,9 @@ class FusedMoE(nn.Module):
     """The experts of one MoE layer: x [T, H], routing (weights, ids) [T, k] -> [T, H]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype=torch.float32,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, quant_config=None) -> None:
+        """quant_config: a QuantizationConfig (tidal.layers.quantization) whose moe_method stores the
+        experts (None: plain weights in dtype)."""
         super().__init__()
         tp = get_tp_size()
         if intermediate_size % tp:
@@ -52,16 +55,17 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.inter = intermediate_size // tp  # this rank's slice
         self.tp_rank, self.tp_size, self.reduce_results = get_tp_rank(), tp, reduce_results
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter, dtype=dtype),
-                                      requires_grad=False)
-        for p in (self.w13_weight, self.w2_weight):
+        method = quant_config.moe_method() if quant_config is not None else None
+        self.quant_method = method or UnquantizedMoEMethod()
+        self.quant_method.create_weights(self, num_experts, hidden_size, self.inter, dtype)
+        for p in self.parameters(recurse=False):
             p.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str,
                       expert_id: int | None = None) -> None:
-        """shard_id: "gate", "up" or "down"; expert_id None: `loaded` holds all experts stacked."""
+        """shard_id: "gate", "up" or "down"; expert_id None: `loaded` holds all experts stacked. param: a
+        weight ([E, rows, cols]) or a scale of a quantized checkpoint ([E, rows]; loaded per tensor or per
+        row)."""
         if expert_id is None:
             for e in range(self.num_experts):
                 self.weight_loader(param, loaded[e], shard_id, e)
@@ -69,11 +73,19 @@ class FusedMoE(nn.Module):
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id {expert_id} is outside [0, {self.num_experts})")
         n, r = self.inter, self.tp_rank
-        if shard_id == "down":
-            default_weight_loader(param.data[expert_id], loaded.narrow(1, r * n, n))
+        if param.dim() == 2:  # a scale: per row of the output, whole on every rank for "down"
+            rows = self.hidden_size if shard_id == "down" else n
+            loaded = loaded.reshape(-1).float()
+            if loaded.numel() == 1:
+                loaded = loaded.expand(rows)
+            elif shard_id != "down":
+                loaded = loaded.narrow(0, r * n, n)
+            self.quant_method.load_expert_rows(self, param, expert_id, 0 if shard_id != "up" else n, loaded)
+        elif shard_id == "down":
+            self.quant_method.load_expert_rows(self, param, expert_id, 0, loaded.narrow(1, r * n, n))
         else:
             offset = 0 if shard_id == "gate" else n
-            default_weight_loader(param.data[expert_id].narrow(0, offset, n), loaded.narrow(0, r * n, n))
+            self.quant_method.load_expert_rows(self, param, expert_id, offset, loaded.narrow(0, r * n, n))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
@@ -90,8 +102,8 @@ class FusedMoE(nn.Module):
             pairs = order[start:start + n]
             start += n
             tokens = pairs // k
-            gate, up = F.linear(x[tokens], self.w13_weight[e]).chunk(2, dim=-1)   # [n, I] each
-            h = F.linear(F.silu(gate) * up, self.w2_weight[e])                 # [n, H]
+            gate, up = self.quant_method.expert_linear(self, x[tokens], "w13", e).chunk(2, dim=-1)  # [n, I] each
+            h = self.quant_method.expert_linear(self, F.silu(gate) * up, "w2", e)                  # [n, H]
             out.index_add_(0, tokens, (h * flat_weights[pairs, None]).to(x.dtype))
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
@@ -102,13 +114,14 @@ class SparseMoeBlock(nn.Module):
     """Router + experts. `router_name` matches the checkpoint: "gate" (Mixtral) or "router" (Jamba)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, router_name: str = "gate", dtype=torch.float32) -> None:
+                 renormalize: bool, router_name: str = "gate", dtype=torch.float32, quant_config=None) -> None:
+        """quant_config: quantizes the experts (the router stays in the model dtype)."""
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.top_k, self.renormalize, self.router_name = top_k, renormalize, router_name
         setattr(self, router_name, ReplicatedLinear(hidden_size, num_experts, bias=False, dtype=dtype))
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, dtype)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, dtype, quant_config=quant_config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = getattr(self, self.router_name)(x)  # [T, E]
@@ -124,8 +137,10 @@ def split_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     loaded: set[tuple[str, int | None, str]] = set()
     for name, tensor in weights:
         m = _PER_EXPERT.match(name)
+        scale = False
         if m:
             prefix, expert, shard = m.group(1), int(m.group(2)), _EXPERT_SHARDS[m.group(3)]
+            scale = m.group(4) == "weight_scale"  # an FP8 checkpoint's scale of that matrix
         elif (m := _STACKED.match(name)) and m.group(1) in moes:
             prefix, expert, shard = m.group(1), None, m.group(2)
         else:
@@ -134,7 +149,13 @@ def split_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         if prefix not in moes:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         moe = moes[prefix]
-        if shard == "gate_up_proj":  # stacked [E, 2I, H]: gate rows then up rows
+        if scale:
+            target = getattr(moe, "w2_scale" if shard == "down" else "w13_scale", None)
+            if target is None:
+                raise ValueError(f"checkpoint tensor {name!r} is a quantization scale, and the experts of "
+                                 f"{prefix} are not quantized")
+            moe.weight_loader(target, tensor, shard, expert)
+        elif shard == "gate_up_proj":  # stacked [E, 2I, H]: gate rows then up rows
             gate, up = tensor.chunk(2, dim=1)
             moe.weight_loader(moe.w13_weight, gate, "gate")
             moe.weight_loader(moe.w13_weight, up, "up")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from tidal.layers.embedding import VocabParallelEmbedding
-from tidal.layers.linear import Bf16WeightLinearMethod
+from tidal.layers.quantization import get_quantization_config
+from tidal.layers.quantization.methods import quantize_embeddings
 from tidal.loader import gguf_loader
 from tidal.models.registry import resolve_model_class
 from tidal.native import cpu_isa, has_native_bf16
@@ -59,6 +60,7 @@ class LoadedModel:
     weight_bytes: int
     dtype: torch.dtype         # activations and KV cache
     weight_dtype: torch.dtype  # linear layers and embeddings (bf16 under fp32 activations on CPUs without bf16)
+    quantization: str | None = None  # the scheme the weights are stored in
 
 
 def load_config(path: str):
@@ -100,7 +102,11 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+_STORED_AS_IS = (torch.float8_e4m3fn, torch.int8)  # quantized checkpoint tensors: never widened
+
+
 def iterate_safetensors(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor in dtype; quantized tensors (E4M3, int8) and their fp32 scales as stored."""
     from safetensors import safe_open
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -108,7 +114,11 @@ def iterate_safetensors(path: str, dtype: torch.dtype) -> Iterator[tuple[str, to
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                tensor = f.get_tensor(name)
+                if tensor.dtype in _STORED_AS_IS or name.endswith("_scale"):
+                    yield name, tensor
+                else:
+                    yield name, tensor.to(dtype)
 
 
 _DTYPE_NAMES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -169,9 +179,10 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
-               quant_method=None, device: str | torch.device = "cpu") -> LoadedModel:
+               quantization: str | None = None, device: str | torch.device = "cpu") -> LoadedModel:
     """Build the model on `device` and copy the checkpoint's tensors into it as they are read (the
-    checkpoint, and a GGUF file's one-time conversion, are read on the host)."""
+    checkpoint, and a GGUF file's one-time conversion, are read on the host), quantizing them as they
+    load when `quantization` (or the checkpoint's own quantization_config) asks for it."""
     path = resolve_model_path(model)
     is_gguf = path.endswith(".gguf")
     if is_gguf:
@@ -180,21 +191,24 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
     torch_dtype, weight_dtype = resolve_dtypes(dtype, config, device, checkpoint_fp32=False if is_gguf else None)
     _log_dtype_choice(dtype, torch_dtype, weight_dtype, device)
-    if quant_method is None and weight_dtype != torch_dtype:
-        quant_method = Bf16WeightLinearMethod()
+    quant = get_quantization_config(quantization, config, weight_dtype, torch_dtype)
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
-        net = model_cls(config, dtype=torch_dtype, quant=quant_method) if quant_method else \
-            model_cls(config, dtype=torch_dtype)
+        net = model_cls(config, dtype=torch_dtype, quant=quant) if quant else model_cls(config, dtype=torch_dtype)
     weights = iterate_safetensors(path, torch_dtype)
     net.load_weights(weights)
     net.eval()
-    if weight_dtype != torch_dtype:
+    if quant is not None and quant.embedding_format is not None:
+        quantize_embeddings(net, quant.embedding_format)
+    elif weight_dtype != torch_dtype:
         narrow_embeddings(net, weight_dtype)
     process_weights_after_loading(net)
     tokenizer = load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"
+    if quant is not None and quant.name is not None:
+        weights_note = f" (quantization {quant.name}" + (", from the checkpoint)" if quant.from_checkpoint else ")")
     logger.info("Loaded %s (%s) in %s%s on %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
                 weights_note, torch.device(device), weight_bytes / 1e6)
-    return LoadedModel(net, config, tokenizer, path, name, weight_bytes, torch_dtype, weight_dtype)
+    return LoadedModel(net, config, tokenizer, path, name, weight_bytes, torch_dtype, weight_dtype,
+                       quant.name if quant is not None else None)

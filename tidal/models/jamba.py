@@ -56,7 +56,7 @@ class JambaDecoderLayer(nn.Module):
         if config.layers_num_experts[layer_idx] > 1:
             self.feed_forward = SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_experts,
                                                config.num_experts_per_tok, renormalize=False,
-                                               router_name="router", dtype=dtype)
+                                               router_name="router", dtype=dtype, quant_config=quant)
         else:
             self.feed_forward = LlamaMLP(config, dtype, quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -22,7 +22,8 @@ class MixtralDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, dtype, quant)
         self.block_sparse_moe = SparseMoeBlock(
             config.hidden_size, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
-            renormalize=getattr(config, "norm_topk_prob", True), router_name="gate", dtype=dtype)
+            renormalize=getattr(config, "norm_topk_prob", True), router_name="gate", dtype=dtype,
+            quant_config=quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 

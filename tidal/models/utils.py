@@ -11,6 +11,9 @@ from tidal.distributed import get_pp_indices, get_pp_rank, get_pp_size, is_last_
 from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.layers.linear import default_weight_loader
 
+# static activation scales of FP8 checkpoints: Tidal quantizes activations per token at run time, if at all
+_IGNORED_SUFFIXES = (".input_scale",)
+
 
 def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          stacked_params: list[tuple[str, str, object]], skip: tuple[str, ...] = ()) -> set[str]:
@@ -19,7 +22,7 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for name, tensor in weights:
-        if any(name.endswith(s) for s in skip):
+        if any(name.endswith(s) for s in skip) or name.endswith(_IGNORED_SUFFIXES):
             continue
         for fused, part, shard in stacked_params:
             if f".{part}." in name:
@@ -34,7 +37,9 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             param = params[name]
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
-    missing = {n for n in params if n not in loaded} - {n for n in params if any(n.endswith(s) for s in skip)}
+    missing = {n for n, p in params.items()
+               if n not in loaded and not getattr(p, "computed_at_load", False)  # scales of weights quantized at load
+               and not any(n.endswith(s) for s in skip)}
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
     return loaded

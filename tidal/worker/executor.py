@@ -62,12 +62,14 @@ class ModelMeta:
     path: str
     name: str
     dtype: object
+    quantization: str | None = None
 
 
 def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     """Config, tokenizer and dtype without building the model: the driver of a parallel engine holds
     no weights. Refuses, before any worker starts, what the workers would refuse."""
     from tidal.layers.linear import split_heads
+    from tidal.layers.quantization import get_quantization_config
     from tidal.loader import gguf_loader
     from tidal.loader.loader import (
         DEFAULT_MODEL_NAME,
@@ -92,8 +94,10 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     if heads:  # the heads must split by KV-head group (unevenly if need be): refuses sizes that cannot
         split_heads(heads, getattr(config, "num_key_value_heads", None) or heads, tp)
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
-    act_dtype = resolve_dtypes(dtype, config, engine_config.device, checkpoint_fp32=False if is_gguf else None)[0]
-    return ModelMeta(config, load_tokenizer(path), path, name, act_dtype)
+    act_dtype, weight_dtype = resolve_dtypes(dtype, config, engine_config.device,
+                                             checkpoint_fp32=False if is_gguf else None)
+    quant = get_quantization_config(engine_config.quantization, config, weight_dtype, act_dtype)  # refuses early
+    return ModelMeta(config, load_tokenizer(path), path, name, act_dtype, quant.name if quant else None)
 
 
 def create_executor(config: EngineConfig, eos_token_ids: tuple[int, ...]):
