@@ -45,19 +45,10 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
     if x.device.type == "cpu":
         kernel = quant_kernels.int8_linear if wq.dtype == torch.int8 else quant_kernels.fp8_linear
         out = kernel(x, wq, scale, bias)
-        if out is not None:
-            return out
-        return _weight_only_reference(x, wq, scale, bias)
+        return out if out is not None else quant_kernels.int8_linear_reference(x, wq, scale, bias)
     # GPU: widen the weight for the product (int8 and E4M3 values are exact in bf16/fp16/fp32)
     out = F.linear(x, wq.to(x.dtype)) * scale.to(x.dtype)
     return out if bias is None else out + bias
-
-
-def _weight_only_reference(x, wq, scale, bias):
-    out = F.linear(x.float(), wq.float()) * scale
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
 
 
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -65,15 +56,13 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, bias: to
     """x quantized per token to int8, products accumulated in int32, rescaled by both scales."""
     if x.device.type == "cpu":
         out = quant_kernels.w8a8_linear(x, wq, scale, bias, row_sums)
-        if out is not None:
-            return out
+        return out if out is not None else quant_kernels.w8a8_linear_reference(x, wq, scale, bias)
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    xq, xs = quant_kernels.quantize_rows_int8_reference(x2)
+    xq, xs = quant_kernels.quantize_rows_int8_reference(x)
     M, K = xq.shape
-    if x.device.type == "cpu" or (M > 16 and K % 8 == 0 and wq.shape[0] % 8 == 0):
+    if M > 16 and K % 8 == 0 and wq.shape[0] % 8 == 0:  # the shapes torch's int8 GEMM (cuBLASLt) takes
         acc = torch._int_mm(xq, wq.t()).float()
-    else:  # shapes cuBLASLt's int8 GEMM does not take: exact in fp32 up to K of about 1000
+    else:  # exact in fp32 up to K of about 1000
         acc = F.linear(xq.float(), wq.float())
     out = acc * xs.unsqueeze(-1) * scale
     if bias is not None:
