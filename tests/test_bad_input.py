@@ -148,15 +148,46 @@ def test_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path, m
                                          ({"dtype": "int3"}, "dtype"), ({"max_model_len": 10**6}, "max_model_len"),
                                          ({"kv_cache_memory_bytes": 10}, "kv_cache_memory_bytes"),
                                          ({"quantization": "awq"}, "quantization"),
-                                         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype")])
+                                         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+                                         ({"tokenizer_mode": "mistral"}, "tokenizer_mode"),
+                                         ({"tokenizer": "/no/such/tokenizer"}, "tokenizer path '/no/such/tokenizer'"),
+                                         ({"swap_space": 4}, "swap_space 4 is not supported: Tidal preempts a "
+                                                             "request by recomputation")])
 def test_bad_engine_arguments(tiny_model_dir, kwargs, name):
     with pytest.raises(ValueError, match=name):
         tiny_llm(tiny_model_dir("llama"), **kwargs)
 
 
+def test_swap_space_zero_is_accepted():
+    from tidal.config import EngineConfig
+    assert EngineConfig(swap_space=0).swap_space == 0
+
+
+def test_no_chunked_prefill_with_a_budget_under_max_model_len(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is smaller than max_model_len \(64\) "
+                                         "with enable_chunked_prefill=False"):
+        tiny_llm(tiny_model_dir("llama"), max_model_len=64, max_num_batched_tokens=32, enable_chunked_prefill=False)
+
+
+def test_tokenizer_folder_without_tokenizer_files(tiny_model_dir):
+    folder = tiny_model_dir("llama")  # a model folder: config and weights, no tokenizer files
+    with pytest.raises(ValueError, match=f"tokenizer '{folder}' is not a directory with tokenizer files"):
+        tiny_llm(tiny_model_dir("llama"), tokenizer=folder)
+
+
+def test_tokenizer_mode_slow_without_a_slow_tokenizer(tiny_model_dir):
+    """transformers has no slow tokenizer of SmolLM2's BPE: 'slow' would do nothing, so it is refused."""
+    from tidal.loader.gguf_loader import cached_conversion
+    from tidal.loader.loader import default_model_path
+    with pytest.raises(ValueError, match="tokenizer_mode 'slow': transformers .* has no slow"):
+        tiny_llm(tiny_model_dir("llama"), tokenizer=cached_conversion(default_model_path()), tokenizer_mode="slow")
+
+
 def test_unknown_engine_argument():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(None, max_num_seq=4)
+    with pytest.raises(TypeError, match="extra"):  # a catch-all that nothing read: removed
+        LLM(None, extra={})
 
 
 def assert_refused_then_usable_text(llm, call, *messages):

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,103 @@ def test_help_lists_every_engine_flag(argv):
     assert not missing, f"tidal {' '.join(argv)} --help lacks {missing}"
 
 
+SUBCOMMANDS = [("generate",), ("chat",), ("serve",), ("bench", "throughput"), ("bench", "serve")]
+
+
+@pytest.mark.parametrize("argv", SUBCOMMANDS)
+def test_every_flag_in_help_is_in_docs_cli(argv, monkeypatch):
+    """docs/cli.md names every flag `--help` lists, so the doc stays true as flags come and go."""
+    monkeypatch.setenv("COLUMNS", "1000")  # no flag broken across lines
+    flags = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", help_text(*argv))) - {"-h", "--help"}
+    assert len(flags) > 10
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")) as f:
+        doc = f.read()
+    missing = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", doc))
+    assert not missing, f"docs/cli.md does not mention these flags of tidal {' '.join(argv)}: {missing}"
+
+
+# A non-default value of each engine flag, and the EngineConfig field it must set.
+ENGINE_FLAG_VALUES = {
+    "--model": (["--model", "m"], "model", "m"), "--tokenizer": (["--tokenizer", "t"], "tokenizer", "t"),
+    "--tokenizer-mode": (["--tokenizer-mode", "slow"], "tokenizer_mode", "slow"),
+    "--trust-remote-code": (["--trust-remote-code"], "trust_remote_code", True),
+    "--dtype": (["--dtype", "float32"], "dtype", "float32"), "--device": (["--device", "cuda"], "device", "cuda"),
+    "--gpu-memory-utilization": (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
+    "--max-model-len": (["--max-model-len", "99"], "max_model_len", 99),
+    "--max-num-seqs": (["--max-num-seqs", "3"], "max_num_seqs", 3),
+    "--max-num-batched-tokens": (["--max-num-batched-tokens", "77"], "max_num_batched_tokens", 77),
+    "--block-size": (["--block-size", "8"], "block_size", 8),
+    "--kv-cache-memory-bytes": (["--kv-cache-memory-bytes", "1000"], "kv_cache_memory_bytes", 1000),
+    "--enable-prefix-caching": (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+    "--enable-chunked-prefill": (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
+    "--seed": (["--seed", "7"], "seed", 7), "--enforce-eager": (["--enforce-eager"], "enforce_eager", True),
+    "--tensor-parallel-size": (["-tp", "2"], "tensor_parallel_size", 2),
+    "--pipeline-parallel-size": (["-pp", "2"], "pipeline_parallel_size", 2),
+    "--distributed-executor-backend": (["--distributed-executor-backend", "ray"], "distributed_executor_backend",
+                                       "ray"),
+    "--quantization": (["-q", "int8"], "quantization", "int8"),
+    "--kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
+    "--served-model-name": (["--served-model-name", "x"], "served_model_name", "x"),
+    "--disable-log-stats": (["--disable-log-stats"], "disable_log_stats", True),
+}
+
+
+def test_every_engine_flag_sets_its_engine_config_field(monkeypatch):
+    from tidal.entrypoints import engine_args
+    monkeypatch.setattr(engine_args, "EngineConfig", lambda **kw: kw)  # the fields, before validation
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert set(ENGINE_FLAG_VALUES) == {f for f in engine_flags() if not f.startswith("--no-")}
+    default = engine_args.engine_config_from_args(parser.parse_args([]))
+    for flag, (argv, field, value) in ENGINE_FLAG_VALUES.items():
+        got = engine_args.engine_config_from_args(parser.parse_args(argv))
+        assert got[field] == value != default[field], flag
+        assert {k: v for k, v in got.items() if k != field} == {k: v for k, v in default.items() if k != field}, flag
+
+
+def test_periodic_stats_default_off_for_terminal_commands_on_for_serve_and_bench():
+    parsers = {name: p for name, p in cli.build_parser()._subparsers._group_actions[0].choices.items()}
+    assert parsers["generate"].parse_args([]).disable_log_stats is True
+    assert parsers["chat"].parse_args([]).disable_log_stats is True
+    assert parsers["generate"].parse_args(["--no-disable-log-stats"]).disable_log_stats is False
+    assert parsers["serve"].parse_args([]).disable_log_stats is False
+
+
+def test_generate_system_needs_chat(capsys):
+    assert cli.main(["generate", "hi", "--system", "be brief"]) == 2
+    assert "--system needs --chat" in capsys.readouterr().err
+
+
+def test_serve_refuses_two_different_models(tmp_path):
+    with pytest.raises(SystemExit, match="two models given: 'a' and --model 'b'"):
+        cli.main(["serve", "a", "--model", "b"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--workload", "offline", "--num-prompts", "5"], "--num-prompts does not apply to the requests of --workload"),
+    (["--dataset-path", "x.json", "--dataset", "prefix"], "--dataset does not apply to the requests of --dataset-path"),
+    (["--dataset", "prefix", "--input-len-range", "4", "8"], "--input-len-range does not apply"),
+    (["--prefix-len", "10"], "--prefix-len does not apply to the requests of --dataset random"),
+    (["--random-range-ratio", "0.5"], "--random-range-ratio does not apply"),
+    (["--input-len-range", "4", "8", "--random-input-len", "6"], "--input-len-range and --random-input-len"),
+])
+def test_bench_throughput_refuses_request_options_that_do_not_apply(argv, message):
+    from tidal.benchmarks.throughput import add_arguments, check_request_options
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        check_request_options(add_arguments(argparse.ArgumentParser()).parse_args(argv))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dataset-path", "x.json", "--random-input-len", "5"], "--random-input-len does not apply"),
+    (["--dataset", "prefix", "--random-range-ratio", "0.5"], "--random-range-ratio does not apply"),
+    (["--suffix-len", "5"], "--suffix-len does not apply to the requests of --dataset random"),
+    (["--output-len-range", "4", "8", "--random-output-len", "6"], "--output-len-range and --random-output-len"),
+])
+def test_bench_serve_refuses_request_options_that_do_not_apply(argv, message):
+    from tidal.benchmarks.serve import add_arguments, check_request_options
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        check_request_options(add_arguments(argparse.ArgumentParser()).parse_args(argv))
+
+
 def test_generate_help_lists_sampling_flags():
     text = help_text("generate")
     for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--seed", "--chat"):
@@ -81,6 +179,22 @@ def test_generate_prints_text_and_exits_0():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "no text on stdout"
     assert "8 tokens" in proc.stderr and "finish reason: length" in proc.stderr
+
+
+def test_generate_with_tokenizer_from_another_folder(tmp_path):
+    """A model folder without tokenizer files takes text prompts with --tokenizer (here the default
+    model's tokenizer, from its GGUF conversion)."""
+    from tests.helpers import save_tiny_model, tiny_config
+    from tidal.loader.gguf_loader import cached_conversion
+    from tidal.loader.loader import default_model_path
+    model = save_tiny_model(str(tmp_path / "model"), tiny_config("llama", vocab_size=49152))
+    args = ("generate", "The tide", "--model", model, "--max-tokens", "4", "--temperature", "0", "--show-stats",
+            "--kv-cache-memory-bytes", "4194304")
+    proc = tidal_cli(*args)
+    assert proc.returncode == 2 and "no tokenizer" in proc.stderr  # text prompts need a tokenizer
+    proc = tidal_cli(*args, "--tokenizer", cached_conversion(default_model_path()))
+    assert proc.returncode == 0, proc.stderr
+    assert "4 tokens" in proc.stderr and proc.stdout.strip()
 
 
 def test_chat_with_piped_stdin_answers_two_turns_with_history():

@@ -1,9 +1,10 @@
 """Scheduler properties (pure Python: no model, no tensors). Random workloads are driven through
 Scheduler.schedule() / update() with fake sampled tokens, as the engine drives them, with random
-aborts and small KV pools that force preemption. Every step must respect max_num_batched_tokens and
-max_num_seqs, give each scheduled request the blocks its tokens need, and keep the pool consistent;
-requests are admitted first-come-first-served; every request finishes with exactly its max_tokens
-(or is aborted); and all blocks are free at the end."""
+aborts and small KV pools that force preemption, with chunked prefill on and off. Every step must
+respect max_num_batched_tokens and max_num_seqs, give each scheduled request the blocks its tokens
+need, keep the pool consistent and, without chunked prefill, schedule every prompt whole; requests are
+admitted first-come-first-served; every request finishes with exactly its max_tokens (or is aborted);
+and all blocks are free at the end."""
 from __future__ import annotations
 
 from functools import partial
@@ -76,6 +77,8 @@ def run_to_completion(scheduler: Scheduler, arrivals: dict[int, list[Request]], 
             assert len(mirror.blocks[sr.request_id]) == -(-end // bs), \
                 "a request holds exactly the blocks its tokens need"
             assert sr.sample == (end == req.num_tokens)
+            if not scheduler.enable_chunked_prefill:
+                assert sr.sample, "without chunked prefill a prompt is computed whole in one step"
             if sr.request_id not in admission_order:
                 admission_order.append(sr.request_id)
         in_tables = [b for r in scheduler.running for b in kv.get_block_ids(r.request_id)]
@@ -96,7 +99,10 @@ workload = st.fixed_dictionaries({
     "max_num_batched_tokens": st.integers(1, 32),
     "extra_blocks": st.integers(0, 4),  # few spare blocks: concurrent requests force preemption
     "caching": st.booleans(),
-    "requests": st.lists(st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=30),  # prompt
+    "chunked": st.booleans(),
+    # prompt lengths uniform up to max_model_len - 1: long prompts are common (chunked, or waiting whole)
+    "requests": st.lists(st.tuples(st.integers(1, 39).flatmap(lambda n: st.lists(st.integers(1, 3), min_size=n,
+                                                                                  max_size=n)),  # prompt
                                    st.integers(1, 20),                                     # max_tokens
                                    st.integers(0, 6)),                                     # arrival step
                          min_size=1, max_size=10),
@@ -111,7 +117,10 @@ def test_random_workloads_finish_within_limits_and_free_every_block(w):
     bs = w["block_size"]
     num_blocks = -(-max_model_len // bs) + w["extra_blocks"]  # the engine guarantees one full request fits
     kv = KVCacheManager(num_blocks, bs, enable_caching=w["caching"])
-    scheduler = Scheduler(kv, w["max_num_seqs"], w["max_num_batched_tokens"], max_model_len)
+    budget = w["max_num_batched_tokens"]
+    if not w["chunked"]:  # the engine makes the budget hold a whole max_model_len prompt
+        budget = max_model_len + budget // 8
+    scheduler = Scheduler(kv, w["max_num_seqs"], budget, max_model_len, enable_chunked_prefill=w["chunked"])
     arrivals: dict[int, list[Request]] = {}
     for i, (prompt, max_tokens, at) in enumerate(w["requests"]):
         arrivals.setdefault(at, []).append(make_request(i, prompt, max_tokens))
@@ -153,6 +162,46 @@ def test_long_prompt_is_chunked_while_decodes_keep_running():
         update(scheduler, batch, {sr.request_id: 5 for sr in batch.scheduled if sr.sample})
     assert chunks == [7] * 5 + [5]
     assert sum(chunks) == 40
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_step_that_holds_it_whole():
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=40, max_model_len=64,
+                          enable_chunked_prefill=False)
+    short = make_request(0, [1, 2, 3], max_tokens=3)
+    scheduler.add_request(short)
+    update(scheduler, scheduler.schedule(), {"r0": 5})
+    long, behind = make_request(1, list(range(1, 41)), max_tokens=2), make_request(2, [7, 8], max_tokens=2)
+    scheduler.add_request(long)
+    scheduler.add_request(behind)
+    steps = []
+    while scheduler.has_unfinished_requests():
+        batch = scheduler.schedule()
+        steps.append({sr.request_id: sr.num_tokens for sr in batch.scheduled})
+        update(scheduler, batch, {sr.request_id: 5 for sr in batch.scheduled if sr.sample})
+    # the decode takes 1 of the 40 tokens, so the 40-token prompt waits (and r2 behind it) until r0 ends
+    assert steps[:3] == [{"r0": 1}, {"r0": 1}, {"r1": 40}]
+    assert steps[3] == {"r1": 1, "r2": 2}
+    assert kv.pool.num_free_blocks == 64
+
+
+def test_without_chunked_prefill_a_prefix_hit_schedules_the_uncached_rest_whole():
+    kv = KVCacheManager(64, 4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64,
+                          enable_chunked_prefill=False)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = make_request(0, prefix + [9], max_tokens=1)
+    scheduler.add_request(first)
+    update(scheduler, scheduler.schedule(), {"r0": 5})
+    assert first.is_finished
+    second = make_request(1, prefix + list(range(10, 30)), max_tokens=1)  # 28 tokens, 8 of them cached
+    scheduler.add_request(second)
+    batch = scheduler.schedule()
+    [sr] = batch.scheduled
+    assert (sr.start_pos, sr.num_tokens, sr.sample) == (8, 20, True)
+    assert second.num_cached_tokens == 8
+    update(scheduler, batch, {"r1": 5})
+    assert second.is_finished and kv.pool.num_free_blocks == 64
 
 
 def test_max_num_seqs_caps_running_and_admits_in_order():

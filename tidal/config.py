@@ -1,15 +1,22 @@
 """EngineConfig: every engine knob, with vLLM's names, validated at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from tidal.device import resolve_device
+
+# "auto" and "hf": transformers' AutoTokenizer (its fast tokenizer where there is one); "slow": its slow
+# (Python) tokenizer, refused at load time where transformers has none for the model
+TOKENIZER_MODES = ("auto", "hf", "slow")
 
 
 @dataclass
 class EngineConfig:
+    """Every engine knob; docs/cli.md says what each does, its default and what is refused."""
     model: str | None = None
+    # a directory with tokenizer files (or a .gguf file) to load the tokenizer from instead of the model's
     tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
     served_model_name: str | None = None
     dtype: str = "auto"
     # "auto": CUDA when torch sees a GPU, else CPU; resolved to "cpu" or "cuda" at construction
@@ -20,23 +27,28 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # False: a prompt is computed whole in one step (never split across steps), which needs
+    # max_num_batched_tokens >= max_model_len (the default budget is raised to it)
     enable_chunked_prefill: bool = True
-    seed: int = 0
+    seed: int = 0  # seeds the sampler's generator for requests without their own seed
     enforce_eager: bool = False  # always true in effect: nothing is compiled or captured as a graph
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # False: the engine logs a stats line (throughput, running/waiting requests, KV cache usage) every
+    # 10 s while it has work; True by default in the offline API, as vLLM's LLM
     disable_log_stats: bool = True
     # on CUDA: the share of the GPU's memory the engine may fill (weights, activations, KV cache);
-    # sizes the KV cache unless kv_cache_memory_bytes is given. No effect on CPU.
+    # sizes the KV cache unless kv_cache_memory_bytes is given. No effect on CPU (a warning says so).
     gpu_memory_utilization: float = 0.9
-    # accepted for compatibility with vLLM scripts; they have no effect
+    # Tidal never runs code from a checkpoint (its own implementations of the supported architectures
+    # load the weights), so True is harmless: it is accepted with one log line saying so
     trust_remote_code: bool = False
+    # vLLM's CPU swap space (GiB) for preempted requests' KV blocks: Tidal preempts by recomputation,
+    # so only 0 is accepted
     swap_space: float = 0
-    tokenizer_mode: str = "auto"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -63,6 +75,16 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: only 'auto' (the KV "
                              "cache in the model's dtype; bf16 under fp32 activations with bf16 weights)")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}; got {self.tokenizer_mode!r} "
+                             "(Tidal loads tokenizers with transformers only: no 'mistral' or custom tokenizers)")
+        if self.swap_space != 0:
+            raise ValueError(f"swap_space {self.swap_space!r} is not supported: Tidal preempts a request by "
+                             "recomputation (its KV blocks are freed and recomputed when it is resumed), it never "
+                             "swaps KV blocks to CPU memory; leave swap_space at 0")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(f"tokenizer must be a path (a directory with tokenizer files or a .gguf file), "
+                             f"got {self.tokenizer!r}")
         self.device = resolve_device(self.device)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "

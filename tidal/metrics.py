@@ -1,4 +1,4 @@
-"""Prometheus metrics and the periodic stats log line of the server.
+"""Prometheus metrics of the server.
 
 `ServerMetrics` is the AsyncLLM step hook: it runs on the engine thread after every step (and
 after every batch of add/abort commands), so it reads the engine's state and its EngineStats
@@ -12,19 +12,14 @@ the /metrics handler renders it from the event loop). Names follow vLLM's, under
     tidal:time_to_first_token_seconds, tidal:inter_token_latency_seconds,
     tidal:time_per_output_token_seconds (per request), tidal:e2e_request_latency_seconds  histograms
 
-Every `log_interval_s` seconds with activity it logs one line like vLLM's:
-
-    Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 95.0 tokens/s, Running: 12 reqs,
-    Waiting: 0 reqs, KV cache usage: 8.2%, Preemptions: 0, Prefix cache hit rate: 41.0%
+It also gives the engine's stats logger (tidal/engine/stats.py; absent under --disable-log-stats) its
+turn while the engine is idle, so the line for the end of a busy period is not lost.
 """
 from __future__ import annotations
 
-import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -38,10 +33,8 @@ _E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, log_stats: bool = True, log_interval_s: float = 10.0) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        self.log_stats = log_stats
-        self.log_interval_s = log_interval_s
         labels = ["model_name"]
         r = self.registry
 
@@ -76,8 +69,6 @@ class ServerMetrics:
         self._seen: dict[str, float] = {}  # last value of each cumulative EngineStats counter
         self._last_output_time: dict[str, float] = {}
         self._num_tokens: dict[str, dict[int, int]] = {}  # request -> sample index -> tokens so far
-        self._log_time = time.monotonic()
-        self._log_tokens = (0, 0)  # (prompt, generation) at the last log line
 
     # -- the step hook (engine thread) -----------------------------------------------------------
     def __call__(self, engine, outputs=()) -> None:
@@ -104,8 +95,8 @@ class ServerMetrics:
             setattr(stats, samples, [])
             for v in values if hist is not None else ():
                 hist.observe(v)
-        if self.log_stats and now - self._log_time >= self.log_interval_s:
-            self._log(engine, now)
+        if engine.stats_logger is not None:
+            engine.stats_logger.maybe_log(engine, now)
 
     def _observe_output(self, out, now: float) -> None:
         """Inter-token latency (one sample per output of a running request) and, when it finishes,
@@ -131,22 +122,6 @@ class ServerMetrics:
         if delta > 0:
             counter.inc(delta)
             self._seen[key] = value
-
-    def _log(self, engine, now: float) -> None:
-        stats = engine.stats
-        tokens = (stats.num_prompt_tokens, stats.num_generation_tokens)
-        running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting
-        elapsed = now - self._log_time
-        prompt_tps = (tokens[0] - self._log_tokens[0]) / elapsed
-        gen_tps = (tokens[1] - self._log_tokens[1]) / elapsed
-        self._log_time, self._log_tokens = now, tokens
-        if prompt_tps == 0 and gen_tps == 0 and running == 0 and waiting == 0:
-            return  # idle: nothing worth a line
-        hit_rate = stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
-        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
-                    "Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, running, waiting,
-                    100 * engine.kv_manager.usage, stats.num_preemptions, 100 * hit_rate)
 
     # -- the /metrics page (event loop) ----------------------------------------------------------
     def render(self) -> bytes:

@@ -28,6 +28,20 @@ def _token_range(vocab_size: int | None) -> tuple[int, int]:
     return lo, vocab_size
 
 
+def refuse_unused_options(command: str, given: set[str], source: str, applies: set[str],
+                          exclusive: list[tuple[str, str]] = ()) -> None:
+    """Refuse request options (flags) given on the command line that the request source would ignore,
+    and pairs of options that set the same thing: a flag accepted and ignored would misreport what was
+    measured. Raises SystemExit naming the flags."""
+    unused = sorted(given - applies)
+    if unused:
+        raise SystemExit(f"tidal {command}: {', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply "
+                         f"to the requests of {source}")
+    for a, b in exclusive:
+        if a in given and b in given:
+            raise SystemExit(f"tidal {command}: {a} and {b} both set the same lengths; give one")
+
+
 def _check_range(name: str, lo: int, hi: int) -> None:
     if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
         raise ValueError(f"{name} must be two integers 1 <= LO <= HI, got {lo!r} {hi!r}")

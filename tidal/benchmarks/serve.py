@@ -34,24 +34,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="model name in the API (default: the server's first model)")
     s.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
                    help="bearer key (default: $TIDAL_API_KEY or $OPENAI_API_KEY)")
-    d = parser.add_argument_group("requests")
-    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=["random", "prefix"], default="random",
-                   help="random: lengths drawn from the ranges below; prefix: one shared prefix + own suffixes")
+    d = parser.add_argument_group("requests (an option that does not apply to the chosen requests is refused)")
+    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=["random", "prefix"], default=None,
+                   help="random (default): lengths drawn from the options below; prefix: one shared prefix + own "
+                        "suffixes")
     d.add_argument("--dataset-path", default=None,
-                   help='JSON list of {"prompt_token_ids": [...], "max_tokens": n} (overrides --dataset)')
-    d.add_argument("--num-prompts", type=int, default=100, help="number of requests")
-    d.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=128,
-                   help="random: prompt length (a range with --random-range-ratio)")
-    d.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=128,
-                   help="random: output length (a range with --random-range-ratio); prefix: output length")
-    d.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random: lengths drawn from [L*(1-r), L*(1+r)]")
+                   help='JSON list of {"prompt_token_ids": [...], "max_tokens": n} (the first --num-prompts)')
+    d.add_argument("--num-prompts", type=int, default=100, help="number of requests (default 100)")
+    d.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=None,
+                   help="random: prompt length (a range with --random-range-ratio; default 128)")
+    d.add_argument("--random-output-len", "--output-len", dest="output_len", type=int, default=None,
+                   help="random: output length (a range with --random-range-ratio); prefix: output length "
+                        "(default 128)")
+    d.add_argument("--random-range-ratio", type=float, default=None,
+                   help="random: lengths drawn from [L*(1-r), L*(1+r)] (default 0)")
     d.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
-                   help="random: prompt lengths, inclusive (overrides --random-input-len)")
+                   help="random: prompt lengths, inclusive (instead of --random-input-len)")
     d.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
-                   help="random: output lengths, inclusive (overrides --random-output-len)")
-    d.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared prefix length")
-    d.add_argument("--suffix-len", type=int, default=64, help="prefix: per-request suffix length")
+                   help="random: output lengths, inclusive (instead of --random-output-len)")
+    d.add_argument("--prefix-len", type=int, default=None, help="prefix: shared prefix length (default 1024)")
+    d.add_argument("--suffix-len", type=int, default=None, help="prefix: per-request suffix length (default 64)")
     d.add_argument("--vocab-size", type=int, default=None,
                    help="draw token ids below this (default: a range valid for SmolLM2's vocabulary)")
     d.add_argument("--seed", type=int, default=0, help="seed of the request set and the arrival times")
@@ -74,16 +76,40 @@ def _range(explicit, length: int, ratio: float) -> tuple[int, int]:
     return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
 
 
+_REQUEST_FLAGS = {"--dataset": "dataset", "--dataset-path": "dataset_path", "--random-input-len": "input_len",
+                  "--random-output-len": "output_len", "--random-range-ratio": "random_range_ratio",
+                  "--input-len-range": "input_len_range", "--output-len-range": "output_len_range",
+                  "--prefix-len": "prefix_len", "--suffix-len": "suffix_len", "--vocab-size": "vocab_size"}
+
+
+def check_request_options(args) -> None:
+    """Refuse request options that the chosen requests would ignore."""
+    given = {flag for flag, dest in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
+    if args.dataset_path:
+        source, applies = "--dataset-path", {"--dataset-path"}
+    elif args.dataset == "prefix":
+        source, applies = "--dataset prefix", {"--dataset", "--prefix-len", "--suffix-len", "--random-output-len",
+                                               "--vocab-size"}
+    else:
+        source, applies = "--dataset random", {"--dataset", "--random-input-len", "--random-output-len",
+                                               "--random-range-ratio", "--input-len-range", "--output-len-range",
+                                               "--vocab-size"}
+        if {"--input-len-range", "--output-len-range"} <= given:
+            applies = applies - {"--random-range-ratio"}  # it widens only the single lengths
+    datasets.refuse_unused_options("bench serve", given, source, applies, [
+        ("--input-len-range", "--random-input-len"), ("--output-len-range", "--random-output-len")])
+
+
 def build_requests(args) -> list[dict]:
+    check_request_options(args)
     if args.dataset_path:
         return datasets.load_json_requests(args.dataset_path)[:args.num_prompts]
+    output_len, ratio = args.output_len or 128, args.random_range_ratio or 0.0
     if args.dataset == "prefix":
-        return datasets.prefix_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.output_len,
+        return datasets.prefix_requests(args.num_prompts, args.prefix_len or 1024, args.suffix_len or 64, output_len,
                                         args.seed, args.vocab_size)
-    return datasets.random_requests(args.num_prompts, _range(args.input_len_range, args.input_len,
-                                                             args.random_range_ratio),
-                                    _range(args.output_len_range, args.output_len, args.random_range_ratio),
-                                    args.seed, args.vocab_size)
+    return datasets.random_requests(args.num_prompts, _range(args.input_len_range, args.input_len or 128, ratio),
+                                    _range(args.output_len_range, output_len, ratio), args.seed, args.vocab_size)
 
 
 def arrival_delays(n: int, rate: float, burstiness: float, seed: int) -> list[float]:

@@ -27,13 +27,14 @@ WARMUP_MAX_PROMPTS = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    d = parser.add_argument_group("requests")
+    d = parser.add_argument_group("requests (an option that does not apply to the chosen requests is refused)")
     d.add_argument("--workload", choices=sorted(datasets.WORKLOADS), default=None,
-                   help="a shared side-by-side workload, draw for draw (overrides the dataset options)")
-    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=["random", "prefix"], default="random",
-                   help="random: lengths drawn from the ranges below; prefix: one shared prefix + own suffixes")
+                   help="a shared side-by-side workload, draw for draw (takes no other request option)")
+    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=["random", "prefix"], default=None,
+                   help="random (default): lengths drawn from the ranges below; prefix: one shared prefix + own "
+                        "suffixes")
     d.add_argument("--dataset-path", default=None,
-                   help='JSON list of {"prompt_token_ids": [...], "max_tokens": n} (overrides --dataset)')
+                   help='JSON list of {"prompt_token_ids": [...], "max_tokens": n} (with --num-prompts: the first N)')
     d.add_argument("--num-prompts", type=int, default=None, help="number of requests (random: 128, prefix: 64)")
     d.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
                    help="random: prompt lengths, inclusive (default 32 512)")
@@ -43,10 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="random: prompt length (a range with --random-range-ratio)")
     d.add_argument("--random-output-len", dest="random_output_len", type=int, default=None,
                    help="random: output length (a range with --random-range-ratio)")
-    d.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random: lengths drawn from [L*(1-r), L*(1+r)] around --random-*-len")
-    d.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared prefix length")
-    d.add_argument("--suffix-len", type=int, default=64, help="prefix: per-request suffix length")
+    d.add_argument("--random-range-ratio", type=float, default=None,
+                   help="random: lengths drawn from [L*(1-r), L*(1+r)] around --random-input-len, "
+                        "--random-output-len or --output-len (default 0)")
+    d.add_argument("--prefix-len", type=int, default=None, help="prefix: shared prefix length (default 1024)")
+    d.add_argument("--suffix-len", type=int, default=None, help="prefix: per-request suffix length (default 64)")
     d.add_argument("--output-len", type=int, default=None,
                    help="prefix: tokens generated per request (default 64); random: a fixed output length")
     r = parser.add_argument_group("run")
@@ -56,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="also run Hugging Face transformers' static-batched generate on the same requests")
     r.add_argument("--hf-batch-size", type=int, default=32, help="batch size of the transformers run")
     r.add_argument("--output-json", default=None, help="write the results to this JSON file")
-    add_engine_args(parser)
+    add_engine_args(parser)  # its --seed also draws the random and prefix request sets
     return parser
 
 
@@ -70,12 +72,42 @@ def _len_range(explicit, single: int | None, ratio: float, default: tuple[int, i
     return default
 
 
+_REQUEST_FLAGS = {"--dataset": "dataset", "--dataset-path": "dataset_path", "--num-prompts": "num_prompts",
+                  "--input-len-range": "input_len_range", "--output-len-range": "output_len_range",
+                  "--random-input-len": "input_len", "--random-output-len": "random_output_len",
+                  "--random-range-ratio": "random_range_ratio", "--prefix-len": "prefix_len",
+                  "--suffix-len": "suffix_len", "--output-len": "output_len"}
+
+
+def check_request_options(args) -> None:
+    """Refuse request options that the chosen requests would ignore (before the model loads)."""
+    given = {flag for flag, dest in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
+    if args.workload:
+        source, applies = f"--workload {args.workload}", set()
+    elif args.dataset_path:
+        source, applies = "--dataset-path", {"--dataset-path", "--num-prompts"}
+    elif args.dataset == "prefix":
+        source, applies = "--dataset prefix", {"--dataset", "--num-prompts", "--prefix-len", "--suffix-len",
+                                               "--output-len"}
+    else:
+        source, applies = "--dataset random", {"--dataset", "--num-prompts", "--input-len-range",
+                                               "--output-len-range", "--random-input-len", "--random-output-len",
+                                               "--random-range-ratio", "--output-len"}
+        if "--random-range-ratio" in given and not given & {"--random-input-len", "--random-output-len",
+                                                            "--output-len"}:
+            applies = applies - {"--random-range-ratio"}  # it widens only the single lengths
+    datasets.refuse_unused_options("bench throughput", given, source, applies, [
+        ("--input-len-range", "--random-input-len"), ("--output-len-range", "--random-output-len"),
+        ("--output-len-range", "--output-len"), ("--random-output-len", "--output-len")])
+
+
 def build_requests(args, vocab_size: int | None) -> tuple[list[dict], list[dict]]:
     """(timed requests, warm-up requests). The warm-up set is drawn with another seed and is smaller."""
+    check_request_options(args)
     if args.workload:
         return datasets.workload_requests(args.workload), datasets.workload_warmup(args.workload)
     if args.dataset_path:
-        reqs = datasets.load_json_requests(args.dataset_path)
+        reqs = datasets.load_json_requests(args.dataset_path)[:args.num_prompts]
         ins = [len(r["prompt_token_ids"]) for r in reqs]
         outs = [r["max_tokens"] for r in reqs]
         warm = datasets.random_requests(min(WARMUP_MAX_PROMPTS, len(reqs)), (min(ins), max(ins)),
@@ -86,12 +118,13 @@ def build_requests(args, vocab_size: int | None) -> tuple[list[dict], list[dict]
         out_len = args.output_len or 64
 
         def make(num, seed):
-            return datasets.prefix_requests(num, args.prefix_len, args.suffix_len, out_len, seed, vocab_size)
+            return datasets.prefix_requests(num, args.prefix_len or 1024, args.suffix_len or 64, out_len, seed,
+                                            vocab_size)
         return make(n, args.seed), make(min(8, n), args.seed + datasets.WARMUP_SEED)
     n = args.num_prompts or 128
-    in_range = _len_range(args.input_len_range, args.input_len, args.random_range_ratio, (32, 512))
-    out_range = _len_range(args.output_len_range, args.random_output_len or args.output_len,
-                           args.random_range_ratio, (16, 256))
+    ratio = args.random_range_ratio or 0.0
+    in_range = _len_range(args.input_len_range, args.input_len, ratio, (32, 512))
+    out_range = _len_range(args.output_len_range, args.random_output_len or args.output_len, ratio, (16, 256))
 
     def make(num, seed):
         return datasets.random_requests(num, in_range, out_range, seed, vocab_size)
@@ -260,6 +293,7 @@ def main(args: argparse.Namespace) -> int:
     from tidal.entrypoints.llm import LLM
     if args.runs < 1:
         raise SystemExit(f"--runs must be >= 1, got {args.runs}")
+    check_request_options(args)  # before the model loads
     config = engine_config_from_args(args)
     llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
     engine = llm.llm_engine

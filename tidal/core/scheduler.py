@@ -4,8 +4,11 @@ Each step gets a token budget (`max_num_batched_tokens`) and a cap on running re
 (`max_num_seqs`). Running requests are served first, in admission order, so decodes keep flowing;
 then waiting requests are admitted first-come-first-served while budget, KV blocks (and state
 slots, for Mamba layers) last. A prompt longer than the remaining budget is split into chunks
-across steps. When a running request cannot get a block, the most recently admitted running request
-is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+across steps (chunked prefill); with `enable_chunked_prefill=False` a prompt (what the prefix cache
+does not hold of it) is scheduled whole in one step, and the queue waits until a step has the budget
+for it (the engine makes the budget at least max_model_len, so every prompt fits an empty step).
+When a running request cannot get a block, the most recently admitted running request is
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
 No request is ever dropped.
 """
 from __future__ import annotations
@@ -72,7 +75,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, state_pool: StatePool | None = None,
-                 state_checkpoints: StateCheckpoints | None = None) -> None:
+                 state_checkpoints: StateCheckpoints | None = None, enable_chunked_prefill: bool = True) -> None:
         self.kv = kv_cache_manager
         self.state_pool = state_pool
         self.state_checkpoints = state_checkpoints  # prefix caching with Mamba layers
@@ -80,6 +83,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -165,7 +169,11 @@ class Scheduler:
                 n, restore = self.state_checkpoints.lookup(self.kv.req_to_hashes[request.request_id],
                                                            len(computed_blocks))
                 computed_blocks, num_cached = computed_blocks[:n], n * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break  # whole or not at all; the requests behind it wait too (first come first served)
+                num_new = budget
             if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             del self.waiting[skip]

@@ -17,7 +17,7 @@ from tidal.core.scheduler import Scheduler
 from tidal.core.state_checkpoints import StateCheckpoints
 from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
-from tidal.engine.stats import EngineStats
+from tidal.engine.stats import EngineStats, StatsLogger
 from tidal.engine.stop_checker import append_tokens
 from tidal.loader import load_model
 from tidal.loader.loader import load_generation_config
@@ -63,9 +63,10 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         workers = uses_workers(config)  # tensor/pipeline parallel: the weights live in worker processes
-        loaded = load_model_meta(config) if workers else load_model(config.model, config.dtype,
-                                                                    quantization=config.quantization,
-                                                                    device=config.device)
+        self._log_accepted_flags()
+        loaded = load_model_meta(config) if workers else load_model(
+            config.model, config.dtype, quantization=config.quantization, device=config.device,
+            tokenizer=config.tokenizer, tokenizer_mode=config.tokenizer_mode)
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -76,7 +77,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(hf)
         config.max_model_len = self.max_model_len
         self.eos_token_ids = self._eos_token_ids(loaded.path)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.max_num_batched_tokens = self._max_num_batched_tokens()
         config.max_num_batched_tokens = self.max_num_batched_tokens  # the workers size their buffers by it
         if workers:  # same interface as a ModelRunner: execute / kv_bytes_per_token / allocate_kv_cache
             self.runner = self.executor = create_executor(config, self.eos_token_ids)
@@ -98,13 +99,15 @@ class LLMEngine:
         self.kv_plan = plan
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints)
+                                   self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
         if state_pool is not None:
             self._log_hybrid_plan(plan, state_pool)
         logger.info(get_platform(config.device).describe())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
         self.stats = EngineStats()
+        self.stats_logger = None if config.disable_log_stats else StatsLogger()
         self._next_id = 0
         # speculative decoding: an object with propose(request) -> draft token ids for its next tokens
         # (tidal/engine/proposer.py); None runs one token per request per step
@@ -116,6 +119,30 @@ class LLMEngine:
                     plan.num_tokens / self.max_model_len)
 
     # -- setup helpers ---------------------------------------------------------------------------
+    def _log_accepted_flags(self) -> None:
+        """Flags accepted for vLLM compatibility whose effect is nil here: say so once."""
+        if self.config.trust_remote_code:
+            logger.info("trust_remote_code: Tidal never runs code from a checkpoint; its own implementations of "
+                        "the supported architectures load the weights")
+        if self.config.device == "cpu" and self.config.gpu_memory_utilization != 0.9:
+            logger.warning("gpu_memory_utilization %s has no effect on CPU: the KV cache gets min(4 GiB, half the "
+                           "free memory); set kv_cache_memory_bytes to size it", self.config.gpu_memory_utilization)
+
+    def _max_num_batched_tokens(self) -> int:
+        """The token budget of a step: as given, else max(2048, max_num_seqs); without chunked prefill (as
+        vLLM) at least max_model_len, so that any prompt fits one step whole."""
+        c = self.config
+        if c.enable_chunked_prefill:
+            return c.max_num_batched_tokens or max(2048, c.max_num_seqs)
+        if c.max_num_batched_tokens is None:
+            return max(2048, c.max_num_seqs, self.max_model_len)
+        if c.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({c.max_num_batched_tokens}) is smaller than max_model_len "
+                             f"({self.max_model_len}) with enable_chunked_prefill=False: without chunked prefill "
+                             "a prompt is computed whole in one step, so a long one could never run. Raise "
+                             "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
+        return c.max_num_batched_tokens
+
     def _plan_state(self, budget: int):
         """Models with Mamba layers: state slots (one per running request) come out of the same
         budget as the KV cache; with prefix caching, as many again hold state checkpoints (see
@@ -276,7 +303,10 @@ class LLMEngine:
         self._add_grammar_bitmask(batch)
         result = self.runner.execute(batch)
         appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
-        return self._process_outputs(batch, result, appended)
+        outputs = self._process_outputs(batch, result, appended)
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(self)
+        return outputs
 
     def _wait_for_a_grammar(self) -> None:
         """Nothing to run but requests whose grammars are compiling: wait for one."""

@@ -56,14 +56,14 @@ def register(subparsers) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     add_sampling_args(p, max_tokens=256)
-    add_engine_args(p)
+    add_engine_args(p, disable_log_stats=True)
     p.set_defaults(func=run_generate)
 
     p = subparsers.add_parser("chat", help="interactive multi-turn chat on the model's chat template",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system", default=None, help="system message that opens the conversation")
     add_sampling_args(p, max_tokens=512)
-    add_engine_args(p)
+    add_engine_args(p, disable_log_stats=True)
     p.set_defaults(func=run_chat)
 
 
@@ -140,6 +140,8 @@ def _user_errors(name: str, run):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (a system message is part of the chat template)")
     params = sampling_params_from_args(args)  # bad values fail here, before the model loads
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     if not text:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from tidal.config import EngineConfig
+from tidal.config import TOKENIZER_MODES, EngineConfig
 from tidal.layers.quantization import QUANTIZATION_METHODS
 
 
@@ -11,49 +11,76 @@ def _bool_flag(parser, name: str, default: bool, help: str) -> None:
     parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = False) -> argparse.ArgumentParser:
+    """The engine flags (docs/cli.md lists each with its default and limits). `disable_log_stats` is the
+    default of --disable-log-stats: `generate` and `chat` print text to the terminal, so they keep the
+    periodic stats line off unless asked (--no-disable-log-stats)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
                    help="model directory (HF format) or .gguf file; default: SmolLM2-135M-Instruct")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--tokenizer", default=None,
+                   help="load the tokenizer from this directory (tokenizer files) or .gguf file instead of the "
+                        "model's (default: the model's)")
+    g.add_argument("--tokenizer-mode", default="auto", choices=list(TOKENIZER_MODES),
+                   help="auto/hf: transformers' tokenizer (the fast one where there is one); slow: its slow "
+                        "(Python) tokenizer, refused where transformers has none (default auto)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility: Tidal never runs code from a checkpoint (logs one line)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype (auto: the checkpoint's; bfloat16 for GGUF and fp16)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (auto: cuda when torch sees a GPU, else cpu)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: share of the GPU's memory for weights, activations and the KV cache, "
-                        "which gets what is left (default 0.9)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="maximum requests running at once")
+                        "which gets what is left (default 0.9; no effect on CPU)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output); default and limit: the model's")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="maximum requests running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one engine step (default: max(2048, max-num-seqs))")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+                   help="token budget of one engine step (default: max(2048, max-num-seqs); without chunked "
+                        "prefill at least max-model-len)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16, at most 1024)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache size in bytes (default on CPU: min(4 GiB, half the free memory); "
                         "on CUDA: from --gpu-memory-utilization)")
-    _bool_flag(g, "enable-prefix-caching", True, "reuse the KV of repeated prompt prefixes")
-    _bool_flag(g, "enable-chunked-prefill", True, "split long prompts across steps")
-    g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
+    _bool_flag(g, "enable-prefix-caching", True, "reuse the KV of repeated prompt prefixes (default on)")
+    _bool_flag(g, "enable-chunked-prefill", True,
+               "split a prompt longer than a step's token budget across steps (default on); off: each prompt is "
+               "computed whole in one step, and --max-num-batched-tokens must be >= --max-model-len")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of sampling for requests without their own seed (default 0)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never compile the model (Tidal always runs eagerly: no compilation or graph capture)")
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-    g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None)
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="tensor-parallel ranks, one process each (default 1)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages, one process each (default 1)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray", "uni"], default=None,
+                   help="mp: worker processes started here; ray: Ray actors; uni: the engine's own process "
+                        "(default: uni for one rank, else mp)")
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
                    help="quantize the weights as they load: int8 (int8 weights, W8A16), w8a8 (int8 weights and "
                    "activations), fp8 (E4M3 weights), experts_int8 (only MoE experts in int8); default: the "
                    "checkpoint's own weights (an FP8 checkpoint loads as fp8)")
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (only 'auto': the model's dtype, bf16 "
                    "under fp32 activations with bf16 weights)")
-    g.add_argument("--served-model-name", default=None, help="model name in the API (default: derived)")
-    _bool_flag(g, "disable-log-stats", False, "do not log periodic engine stats")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API and the logs (default: the model folder's or file's name)")
+    default = "on" if disable_log_stats else "off"
+    _bool_flag(g, "disable-log-stats", disable_log_stats,
+               f"do not log the periodic stats line (every 10 s while there is work; default {default})")
     return parser
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
-    model = model or getattr(args, "model_flag", None)
+    """The EngineConfig of parsed flags; `model` is a subcommand's positional model (`tidal serve MODEL`),
+    which may not name another model than --model."""
+    flag = getattr(args, "model_flag", None)
+    if model is not None and flag is not None and model != flag:
+        raise ValueError(f"two models given: {model!r} and --model {flag!r}; give one")
     return EngineConfig(
-        model=model, tokenizer=args.tokenizer, served_model_name=args.served_model_name, dtype=args.dtype,
+        model=model or flag, tokenizer=args.tokenizer, tokenizer_mode=args.tokenizer_mode,
+        trust_remote_code=args.trust_remote_code, served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

@@ -92,10 +92,10 @@ def load_gguf_config(path: str):
     return config
 
 
-def load_gguf_tokenizer(path: str):
+def load_gguf_tokenizer(path: str, use_fast: bool = True):
     """The tokenizer (with its chat template) stored in the GGUF file, via transformers' converter."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), use_fast=use_fast)
 
 
 def convert_gguf(path: str, out_dir: str) -> str:

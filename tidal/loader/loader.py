@@ -92,14 +92,52 @@ def load_generation_config(path: str) -> dict:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(path: str):
-    """The model's tokenizer, or None for a directory without tokenizer files (token-id prompts only)."""
-    if not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        logger.warning("%s has no tokenizer files: prompts must be token ids and outputs are not detokenized",
-                       path)
+def _has_tokenizer_files(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str, tokenizer: str | None = None, tokenizer_mode: str = "auto"):
+    """The tokenizer of the model folder `path`, or, when `tokenizer` is given, the one in that directory
+    (or .gguf file): a path that does not exist or holds no tokenizer is refused naming `tokenizer`.
+    Returns None for a model folder without tokenizer files and no `tokenizer` (token-id prompts only).
+    tokenizer_mode "slow" loads transformers' slow (Python) tokenizer, and is refused where there is none.
+
+        >>> load_tokenizer("path/to/tiny-model", tokenizer="path/to/tokenizer-folder")  # doctest: +SKIP
+    """
+    if tokenizer is not None:
+        if not os.path.exists(tokenizer):
+            raise ValueError(f"tokenizer path {tokenizer!r} does not exist (give a directory with tokenizer files "
+                             "or a .gguf file; Tidal never downloads)")
+        if os.path.isfile(tokenizer) and tokenizer.endswith(".gguf"):
+            from tidal.loader.gguf_loader import load_gguf_tokenizer
+            return _check_mode(load_gguf_tokenizer(tokenizer, use_fast=tokenizer_mode != "slow"), tokenizer,
+                               tokenizer_mode)
+        if not os.path.isdir(tokenizer) or not _has_tokenizer_files(tokenizer):
+            raise ValueError(f"tokenizer {tokenizer!r} is not a directory with tokenizer files (any of "
+                             f"{', '.join(_TOKENIZER_FILES)}) nor a .gguf file")
+        path = tokenizer
+    elif not _has_tokenizer_files(path):
+        logger.warning("%s has no tokenizer files: prompts must be token ids and outputs are not detokenized "
+                       "(give the tokenizer's directory as tokenizer / --tokenizer)", path)
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        loaded = AutoTokenizer.from_pretrained(path, use_fast=tokenizer_mode != "slow")
+    except (OSError, ValueError) as e:
+        what = f"tokenizer {tokenizer!r}" if tokenizer is not None else f"the tokenizer of {path!r}"
+        raise ValueError(f"cannot load {what}: {e}") from e
+    return _check_mode(loaded, path, tokenizer_mode)
+
+
+def _check_mode(tokenizer, path: str, tokenizer_mode: str):
+    """Refuse tokenizer_mode "slow" where transformers gave a fast tokenizer anyway (transformers 5 has
+    no slow implementation of most BPE tokenizers): the flag would otherwise do nothing."""
+    if tokenizer_mode == "slow" and getattr(tokenizer, "is_fast", False):
+        import transformers
+        raise ValueError(f"tokenizer_mode 'slow': transformers {transformers.__version__} has no slow (Python) "
+                         f"tokenizer for {path!r} (it loads {type(tokenizer).__name__}, a fast one); use "
+                         "tokenizer_mode 'auto'")
+    return tokenizer
 
 
 _STORED_AS_IS = (torch.float8_e4m3fn, torch.int8)  # quantized checkpoint tensors: never widened
@@ -179,16 +217,19 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
-               quantization: str | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+               quantization: str | None = None, device: str | torch.device = "cpu", tokenizer: str | None = None,
+               tokenizer_mode: str = "auto") -> LoadedModel:
     """Build the model on `device` and copy the checkpoint's tensors into it as they are read (the
     checkpoint, and a GGUF file's one-time conversion, are read on the host), quantizing them as they
-    load when `quantization` (or the checkpoint's own quantization_config) asks for it."""
+    load when `quantization` (or the checkpoint's own quantization_config) asks for it. The tokenizer
+    comes from `tokenizer` when given, else from the model's folder (see load_tokenizer)."""
     path = resolve_model_path(model)
     is_gguf = path.endswith(".gguf")
     if is_gguf:
         path = gguf_loader.cached_conversion(path)
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
+    tokenizer = load_tokenizer(path, tokenizer, tokenizer_mode)  # before the weights: a bad path fails fast
     torch_dtype, weight_dtype = resolve_dtypes(dtype, config, device, checkpoint_fp32=False if is_gguf else None)
     _log_dtype_choice(dtype, torch_dtype, weight_dtype, device)
     quant = get_quantization_config(quantization, config, weight_dtype, torch_dtype)
@@ -202,7 +243,6 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     elif weight_dtype != torch_dtype:
         narrow_embeddings(net, weight_dtype)
     process_weights_after_loading(net)
-    tokenizer = load_tokenizer(path)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"

@@ -97,7 +97,8 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     act_dtype, weight_dtype = resolve_dtypes(dtype, config, engine_config.device,
                                              checkpoint_fp32=False if is_gguf else None)
     quant = get_quantization_config(engine_config.quantization, config, weight_dtype, act_dtype)  # refuses early
-    return ModelMeta(config, load_tokenizer(path), path, name, act_dtype, quant.name if quant else None)
+    tokenizer = load_tokenizer(path, engine_config.tokenizer, engine_config.tokenizer_mode)
+    return ModelMeta(config, tokenizer, path, name, act_dtype, quant.name if quant else None)
 
 
 def create_executor(config: EngineConfig, eos_token_ids: tuple[int, ...]):

@@ -33,7 +33,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="characters of prompt and token ids shown in request logs (default: all)")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
     g.add_argument("--stats-log-interval", type=float, default=10.0,
-                   help="seconds between periodic stats log lines")
+                   help="seconds between periodic stats log lines (default 10; none with --disable-log-stats)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -83,7 +83,9 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad model path or flag: say so in one line, not a traceback
         raise SystemExit(f"tidal serve: {e}") from e
     name = args.served_model_name or engine.model_name
-    metrics = ServerMetrics(name, log_stats=not args.disable_log_stats, log_interval_s=args.stats_log_interval)
+    if engine.stats_logger is not None:  # None under --disable-log-stats
+        engine.stats_logger.interval_s = args.stats_log_interval
+    metrics = ServerMetrics(name)
     async_llm = AsyncLLM(engine, step_hook=metrics)
     app = build_app(async_llm, name, api_key=args.api_key, metrics=metrics, max_log_len=args.max_log_len,
                     log_requests=not args.disable_log_requests, chat_template=args.chat_template,

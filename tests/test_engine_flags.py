@@ -1,0 +1,243 @@
+"""Each engine flag has the effect its name says, through the offline API on tiny models: chunked
+prefill on and off give the same outputs, --tokenizer loads another folder's tokenizer, the seed,
+the stats log, max_num_seqs, block_size and served_model_name do what they say, and the flags
+accepted for vLLM compatibility log what they do. (Refusals are in test_bad_input.py; the CLI side
+and docs/cli.md in test_cli.py; the scheduler's side of chunked prefill in test_scheduler.py.)"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+
+from tests.helpers import assert_engine_idle, random_prompts, save_tiny_model, tiny_config, tiny_llm
+from tidal import SamplingParams
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 96
+
+
+@contextlib.contextmanager
+def tidal_log():
+    """The records the `tidal` loggers emit (they do not propagate to the root logger, so caplog misses them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("tidal")
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2:  # odd requests sample (seeded), even ones are greedy
+        return SamplingParams(temperature=0.9, seed=50 + i, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    return SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+
+def _run(llm, prompts):
+    """Outputs and the steps' scheduled (request, start, tokens), recorded from the scheduler."""
+    scheduler = llm.llm_engine.scheduler
+    steps, schedule = [], scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        steps.append([(sr.request_id, sr.start_pos, sr.num_tokens, sr.num_prompt_tokens) for sr in batch.scheduled])
+        return batch
+
+    scheduler.schedule = recording_schedule
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [_params(i) for i in range(len(prompts))],
+                            use_tqdm=False)
+    finally:
+        del scheduler.schedule
+    assert_engine_idle(llm.llm_engine)
+    return outs, steps
+
+
+def _same_outputs(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids, x.request_id
+        assert x.outputs[0].cumulative_logprob == pytest.approx(y.outputs[0].cumulative_logprob, abs=1e-4)
+        if x.prompt_logprobs is not None:  # each prompt token's logprob, position 0 having none
+            ids = x.prompt_token_ids
+            got = [y.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+            want = [x.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+            assert got == pytest.approx(want, abs=1e-4)
+
+
+# -- enable_chunked_prefill ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompts():
+    # long prompts (40 to 80 tokens, over a 16-token budget), two pairs sharing a 40-token prefix
+    prompts = random_prompts(8, 40, 80, 512, seed=5)
+    prompts[4] = prompts[1][:40] + prompts[4][:10]  # (even: greedy, no prompt logprobs, so it reads the cache)
+    prompts[6] = prompts[3][:40] + prompts[6][:30]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def chunked_run(tiny_model_dir, prompts):
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                   max_num_batched_tokens=16)
+    outs, steps = _run(llm, prompts)
+    assert any(start > 0 and start < n_prompt for step in steps for _, start, _, n_prompt in step), "never chunked"
+    return outs
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_without_chunked_prefill_prompts_run_whole_with_the_chunked_runs_outputs(tiny_model_dir, prompts,
+                                                                                 chunked_run, prefix_caching):
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                   max_num_batched_tokens=MAX_MODEL_LEN, enable_chunked_prefill=False,
+                   enable_prefix_caching=prefix_caching)
+    outs, steps = _run(llm, prompts)
+    _same_outputs(chunked_run, outs)
+    for step in steps:
+        assert sum(n for _, _, n, _ in step) <= MAX_MODEL_LEN
+        for rid, start, num_tokens, num_prompt in step:
+            if start < num_prompt:  # a prefill: from the first uncached token to the end of the prompt
+                assert start + num_tokens == num_prompt, (rid, start, num_tokens)
+    cached = [o.num_cached_tokens for o in outs]
+    if prefix_caching:  # the uncached rest of a prompt that hits the cache is computed whole too
+        assert cached[4] == 40 and cached[6] == 40
+    else:
+        assert not any(cached)
+
+
+def test_without_chunked_prefill_preempted_requests_recompute_whole(tiny_model_dir, prompts, chunked_run):
+    bytes_per_token = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32 of the tiny llama
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                   enable_chunked_prefill=False, kv_cache_memory_bytes=30 * BLOCK_SIZE * bytes_per_token)
+    outs, steps = _run(llm, prompts)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _same_outputs(chunked_run, outs)
+    for step in steps:
+        for rid, start, num_tokens, num_prompt in step:
+            assert start >= num_prompt or num_tokens >= num_prompt - start, (rid, start, num_tokens)
+
+
+def test_without_chunked_prefill_the_default_budget_holds_max_model_len(tiny_model_dir):
+    path = tiny_model_dir("llama", max_position_embeddings=4096)
+    assert tiny_llm(path, max_model_len=3000, enable_chunked_prefill=False).llm_engine.max_num_batched_tokens == 3000
+    assert tiny_llm(path, max_model_len=1000, enable_chunked_prefill=False).llm_engine.max_num_batched_tokens == 2048
+    assert tiny_llm(path, max_model_len=3000).llm_engine.max_num_batched_tokens == 2048  # chunked: vLLM's default
+
+
+# -- tokenizer / tokenizer_mode ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    """The default model's tokenizer folder (its GGUF conversion: tokenizer.json and the chat template)."""
+    from tidal.loader.gguf_loader import cached_conversion
+    from tidal.loader.loader import default_model_path
+    return cached_conversion(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def model_without_tokenizer(tmp_path_factory):
+    """A tiny random model with SmolLM2's vocabulary size and no tokenizer files."""
+    path = str(tmp_path_factory.mktemp("no-tokenizer"))
+    return save_tiny_model(path, tiny_config("llama", vocab_size=49152, max_position_embeddings=256))
+
+
+def test_tokenizer_is_loaded_from_the_tokenizer_folder(model_without_tokenizer, tokenizer_dir):
+    from transformers import AutoTokenizer
+    reference = AutoTokenizer.from_pretrained(tokenizer_dir)
+    llm = tiny_llm(model_without_tokenizer, tokenizer=tokenizer_dir)
+    tok = llm.get_tokenizer()
+    assert tok is not None and tok.encode("The tide comes in.") == reference.encode("The tide comes in.")
+    out = llm.generate("The tide comes in", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == reference.encode("The tide comes in")
+    assert out.outputs[0].text == reference.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_tokenizer_of_the_worker_path_comes_from_the_tokenizer_folder(model_without_tokenizer, tokenizer_dir):
+    """Tensor/pipeline parallel: the driver's tokenizer comes from load_model_meta (no worker started here)."""
+    from tidal.config import EngineConfig
+    from tidal.worker.executor import load_model_meta
+    meta = load_model_meta(EngineConfig(model=model_without_tokenizer, distributed_executor_backend="mp"))
+    assert meta.tokenizer is None
+    meta = load_model_meta(EngineConfig(model=model_without_tokenizer, tokenizer=tokenizer_dir,
+                                        distributed_executor_backend="mp"))
+    from transformers import AutoTokenizer
+    assert meta.tokenizer.encode("The tide") == AutoTokenizer.from_pretrained(tokenizer_dir).encode("The tide")
+
+
+def test_tokenizer_mode_slow_loads_a_slow_tokenizer(tiny_model_dir, tmp_path):
+    from transformers import ByT5Tokenizer  # a Python tokenizer needing no vocabulary files
+    ByT5Tokenizer().save_pretrained(tmp_path)
+    llm = tiny_llm(tiny_model_dir("llama"), tokenizer=str(tmp_path), tokenizer_mode="slow")
+    assert not llm.get_tokenizer().is_fast
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt_token_ids[:3] == [100, 101, 102]  # bytes + 3
+
+
+# -- seed, stats log, max_num_seqs, block_size, served_model_name, trust_remote_code ----------------------
+
+def test_engine_seed_fixes_unseeded_sampling(tiny_model_dir):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 5, 10, 512, seed=8)]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sample(seed):
+        llm = tiny_llm(tiny_model_dir("llama"), seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, unseeded, use_tqdm=False)]
+
+    first = sample(1)
+    assert sample(1) == first
+    assert sample(2) != first
+
+
+def test_stats_line_is_logged_unless_disable_log_stats(tiny_model_dir):
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    quiet = tiny_llm(tiny_model_dir("llama"))  # the offline API's default, as vLLM's LLM
+    assert quiet.llm_engine.stats_logger is None
+    chatty = tiny_llm(tiny_model_dir("llama"), disable_log_stats=False)
+    chatty.llm_engine.stats_logger.interval_s = 0  # a line after every busy step
+    with tidal_log() as records:
+        quiet.generate(prompt, params, use_tqdm=False)
+        assert not [r for r in records if "Avg prompt throughput" in r.getMessage()]
+        chatty.generate(prompt, params, use_tqdm=False)
+    lines = [r.getMessage() for r in records if "Avg prompt throughput" in r.getMessage()]
+    assert lines and "Running: 1 reqs" in lines[0]
+
+
+def test_max_num_seqs_caps_the_running_requests(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir("llama"), max_num_seqs=2)
+    _, steps = _run(llm, random_prompts(5, 5, 10, 512, seed=9))
+    assert max(len(step) for step in steps) == 2
+
+
+def test_block_size_sets_the_kv_blocks(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=8)
+    engine = llm.llm_engine
+    assert engine.kv_plan.block_size == engine.kv_manager.block_size == 8
+    engine.add_request("r", {"prompt_token_ids": list(range(1, 18))}, SamplingParams(max_tokens=3))
+    engine.step()  # the 17 prompt tokens: 3 blocks of 8
+    assert engine.kv_manager.num_blocks("r") == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_engine_idle(engine)
+
+
+def test_served_model_name_names_the_model(tiny_model_dir):
+    assert tiny_llm(tiny_model_dir("llama"), served_model_name="tiny").llm_engine.model_name == "tiny"
+
+
+def test_trust_remote_code_logs_that_no_remote_code_runs(tiny_model_dir):
+    with tidal_log() as records:
+        tiny_llm(tiny_model_dir("llama"), trust_remote_code=True)
+    assert any("never runs code from a checkpoint" in r.getMessage() for r in records)
+
+
+def test_gpu_memory_utilization_on_cpu_warns_that_it_has_no_effect(tiny_model_dir):
+    with tidal_log() as records:
+        tiny_llm(tiny_model_dir("llama"), device="cpu", gpu_memory_utilization=0.5)
+    assert any(r.levelno == logging.WARNING and "gpu_memory_utilization 0.5 has no effect on CPU" in r.getMessage()
+               for r in records)
