@@ -102,6 +102,11 @@ def load_gguf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
+def _has_tokenizer(path: str) -> bool:
+    from gguf import GGUFReader
+    return "tokenizer.ggml.model" in GGUFReader(path).fields
+
+
 def convert_gguf(path: str, out_dir: str, weights: bool = True) -> str:
     """Write a GGUF model as a Hugging Face folder (config.json, fp32 model.safetensors unless not
     `weights`, tokenizer files with the chat template). Written to a temporary folder and renamed, so
@@ -117,7 +122,8 @@ def convert_gguf(path: str, out_dir: str, weights: bool = True) -> str:
     tmp = tempfile.mkdtemp(dir=parent, prefix=".convert-")
     try:
         config.save_pretrained(tmp)
-        load_gguf_tokenizer(path).save_pretrained(tmp)
+        if _has_tokenizer(path):  # a file without one serves token-id prompts only
+            load_gguf_tokenizer(path).save_pretrained(tmp)
         if weights:
             tensors = {name: w.contiguous() for name, w in iterate_gguf_weights(path, config, torch.float32)}
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
