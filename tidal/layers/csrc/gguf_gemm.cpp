@@ -106,21 +106,22 @@ inline float load_act(const void* x, int dtype, int64_t i) {
   return dtype == 0 ? static_cast<const float*>(x)[i] : bf16_to_float(static_cast<const uint16_t*>(x)[i]);
 }
 
+// One output row's dot products with MR rows of x, in two interleaved chains (even and odd blocks) so
+// that consecutive blocks do not wait on each other's accumulation.
 template <int MR>
 void linear_rows(int type, const float* xf, const float* xsum, const uint8_t* w, int64_t n0, int64_t n1,
                  int64_t K, float* acc_out) {
-  const int64_t nb = K / QK, row_bytes = nb * block_bytes(type);
+  const int64_t nb = K / QK, bb = block_bytes(type), row_bytes = nb * bb;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
-    float s[MR] = {};
+    float s[2][MR] = {};
 #if defined(TIDAL_VEC)
-    vf acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = simd::zero();
+    vf acc[2][MR];
+    for (int r = 0; r < MR; ++r) acc[0][r] = acc[1][r] = simd::zero();
 #endif
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wr + b * block_bytes(type);
+    auto block = [&](int64_t b, int c) {
       float d, m; const uint8_t* qs;
-      block_header(type, blk, d, m, qs);
+      block_header(type, wr + b * bb, d, m, qs);
 #if defined(TIDAL_VEC)
       vf q[NV];
       block_quants_vec(type, qs, q);
@@ -129,8 +130,8 @@ void linear_rows(int type, const float* xf, const float* xsum, const uint8_t* w,
         const float* xb = xf + r * K + b * QK;
         vf p = simd::mul(q[0], simd::load(xb));
         for (int i = 1; i < NV; ++i) p = simd::fmadd(q[i], simd::load(xb + i * W), p);
-        acc[r] = simd::fmadd(dv, p, acc[r]);
-        s[r] += m * xsum[r * nb + b];
+        acc[c][r] = simd::fmadd(dv, p, acc[c][r]);
+        s[c][r] += m * xsum[r * nb + b];
       }
 #else
       float q[QK];
@@ -139,15 +140,19 @@ void linear_rows(int type, const float* xf, const float* xsum, const uint8_t* w,
         const float* xb = xf + r * K + b * QK;
         float p = 0.f;
         for (int j = 0; j < QK; ++j) p += q[j] * xb[j];
-        s[r] += d * p + m * xsum[r * nb + b];
+        s[c][r] += d * p + m * xsum[r * nb + b];
       }
 #endif
-    }
+    };
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) { block(b, 0); block(b + 1, 1); }
+    if (b < nb) block(b, 0);
     for (int r = 0; r < MR; ++r) {
+      float total = s[0][r] + s[1][r];
 #if defined(TIDAL_VEC)
-      s[r] += simd::reduce_add(acc[r]);
+      total += simd::reduce_add(simd::add(acc[0][r], acc[1][r]));
 #endif
-      acc_out[r * (n1 - n0) + (n - n0)] = s[r];
+      acc_out[r * (n1 - n0) + (n - n0)] = total;
     }
   }
 }
