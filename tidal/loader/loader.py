@@ -234,7 +234,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"
     if quant is not None and quant.name is not None:
-        weights_note = f" (quantization {quant.name}" + (", from the checkpoint)" if quant.from_checkpoint else ")")
+        weights_note = f" (quantization {quant.name}" + (", the file's blocks)" if quant.name == "gguf" else
+                                                         ", from the checkpoint)" if quant.from_checkpoint else ")")
     logger.info("Loaded %s (%s) in %s%s on %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
                 weights_note, torch.device(device), weight_bytes / 1e6)
     return LoadedModel(net, config, tokenizer, path, name, weight_bytes, torch_dtype, weight_dtype,
