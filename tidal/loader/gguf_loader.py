@@ -173,27 +173,31 @@ KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")  # block formats loaded as packed bloc
 _PLAIN = ("F32", "F16", "BF16")
 
 
-def packed_embedding_formats(path: str) -> dict[str, int]:
-    """{HF name: block bytes} of the embedding / LM-head tables the file quantizes."""
+def open_gguf(path: str):
+    """The file's reader (parsing the header of a file with a large vocabulary takes seconds: open once)."""
     from gguf import GGUFReader
+    return GGUFReader(path)
 
+
+def packed_embedding_formats(reader) -> dict[str, int]:
+    """{HF name: block bytes} of the embedding / LM-head tables the file (a reader) quantizes."""
     from tidal.layers.gguf_kernels import BLOCK_FORMATS
     out = {}
-    for t in GGUFReader(path).tensors:
+    for t in reader.tensors:
         if t.name in ("token_embd.weight", "output.weight") and t.tensor_type.name in KEPT_QUANTIZED:
             out[hf_name(t.name)] = BLOCK_FORMATS[t.tensor_type.name][1]
     return out
 
 
-def iterate_gguf_weights(path: str, config, dtype: torch.dtype,
+def iterate_gguf_weights(path, config, dtype: torch.dtype,
                          keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of each tensor of the file, dequantized to dtype; with keep_quantized, tensors in
-    the KEPT_QUANTIZED formats come as packed uint8 [rows, K / 32, block_bytes] (tidal.layers.gguf_kernels)
-    and other quantized formats are refused by name."""
+    """(HF name, tensor) of each tensor of the file (a path or an open_gguf reader), dequantized to dtype;
+    with keep_quantized, tensors in the KEPT_QUANTIZED formats come as packed uint8 [rows, K / 32,
+    block_bytes] (tidal.layers.gguf_kernels) and other quantized formats are refused by name."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = GGUFReader(path) if isinstance(path, str) else path
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for t in reader.tensors:

@@ -218,8 +218,9 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant) if quant else model_cls(config, dtype=torch_dtype)
     if quant is not None and quant.name == "gguf":
-        _pack_gguf_tables(net, config, gguf_loader.packed_embedding_formats(gguf_file))
-        weights = gguf_loader.iterate_gguf_weights(gguf_file, config, torch_dtype, keep_quantized=True)
+        reader = gguf_loader.open_gguf(gguf_file)
+        _pack_gguf_tables(net, config, gguf_loader.packed_embedding_formats(reader))
+        weights = gguf_loader.iterate_gguf_weights(reader, config, torch_dtype, keep_quantized=True)
     else:
         weights = iterate_safetensors(path, torch_dtype)
     net.load_weights(weights)
