@@ -52,6 +52,15 @@ def test_native_dequantization_equals_gguf_package(fmt, isa):
     torch.testing.assert_close(got, torch.from_numpy(values), rtol=2e-7, atol=1e-7)
 
 
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_native_bf16_dequantization_rounds_like_torch(fmt, isa):
+    packed, _ = _packed(fmt, 40, 96)
+    with isa_override(isa):
+        got = gguf_kernels.dequantize(packed, torch.bfloat16)
+    assert torch.equal(got, gguf_kernels.dequantize_reference(packed).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -211,6 +211,11 @@ int tidal_gguf_dequantize(const void* w, int type, void* out, int64_t rows, int6
 #if defined(TIDAL_VEC)
     vf q[NV];
     block_quants_vec(type, qs, q);
+    if (dtype == 1) {  // straight to bf16 (round to nearest even, as the scalar path)
+      uint16_t* o = static_cast<uint16_t*>(out) + i * QK;
+      for (int v = 0; v < NV; ++v) simd::store_bf16(o + v * W, simd::fmadd(q[v], simd::set1(d), simd::set1(m)));
+      continue;
+    }
     for (int v = 0; v < NV; ++v) simd::store(vals + v * W, simd::fmadd(q[v], simd::set1(d), simd::set1(m)));
 #else
     block_quants(type, qs, vals);
