@@ -6,10 +6,10 @@ side record of its type, and row slices (tensor-parallel shards, fused QKV parts
 and block-aligned column slices are plain tensor slices.
 
 On the CPU the products go to csrc/gguf_gemm.cpp (built per ISA level by tidal.native): one to four rows
-(decode) stream the packed weights once, widening each block in registers; more rows (prompt chunks,
-big batches) dequantize the layer into a scratch buffer and run the dense GEMM (`cpu_linear`). Without
-a compiler, and on GPUs, the torch dequantization below (`dequantize_reference`, which defines what the
-kernels compute) feeds F.linear.
+of a decode step (or the LM head's sampled rows) stream the packed weights once, widening each block in
+registers; prompt rows and bigger batches dequantize the layer into a scratch weight of the activation
+dtype and run the dense GEMM (`cpu_linear`). Without a compiler, and on GPUs, the torch dequantization
+below (`dequantize_reference`, which defines what the kernels compute) feeds F.linear.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tidal.forward_context import skinny_gemm_allowed
 from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS
 from tidal.native import NativeLibrary
 
@@ -92,7 +93,9 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     M, N = x2.shape[0], packed.shape[0]
-    if x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= SKINNY_MAX_ROWS:
+    # prompt rows never take the decode kernel (as cpu_linear's skinny GEMM): a prompt's last few tokens
+    # computed after a prefix-cache hit round exactly as when the whole prompt runs
+    if x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= SKINNY_MAX_ROWS and skinny_gemm_allowed():
         lib = gguf_lib()
         if lib is not None and (bias is None or bias.dtype == x.dtype):
             x2 = x2.contiguous()
