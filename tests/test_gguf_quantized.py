@@ -216,3 +216,28 @@ def test_default_model_quantized_agrees_with_dequantized_load(smollm2):
         la = torch.tensor([next(iter(p.values())).logprob for p in a.prompt_logprobs[1:]])
         lb = torch.tensor([next(iter(p.values())).logprob for p in b.prompt_logprobs[1:]])
         torch.testing.assert_close(la, lb, atol=1e-3, rtol=0)
+
+
+def test_torch_fallback_without_native_kernels(monkeypatch):
+    """No compiler (or a GPU): the torch dequantization feeds a dense product, same values."""
+    packed, values = _packed("Q4_1", 70, 160, seed=3)
+    monkeypatch.setattr(gguf_kernels, "gguf_lib", lambda: None)
+    x = torch.randn(3, 160, generator=torch.Generator().manual_seed(4))
+    got = gguf_kernels.gguf_linear(x, packed, None)
+    torch.testing.assert_close(got.double(), x.double() @ torch.from_numpy(values).double().T, atol=1e-4, rtol=0)
+
+
+def test_tp2_splits_packed_rows_and_blocks(cache_dir, monkeypatch):
+    """Tensor parallelism: column-parallel layers take rows of blocks, row-parallel layers whole blocks of
+    their input columns; the result is the single process's."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = write_tiny_gguf(str(cache_dir / "tiny-tp.gguf"), "Q4_1", mixed=True)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    tokens, logprobs = _run(LLM(path, **kw))
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        tp_tokens, tp_logprobs = _run(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert tp_tokens == tokens
+    torch.testing.assert_close(tp_logprobs, logprobs, atol=1e-4, rtol=0)
