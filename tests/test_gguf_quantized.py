@@ -21,7 +21,7 @@ from tidal.layers import gguf_kernels
 from tidal.native import isa_override, runnable_isas
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-ROWS = (1, 3, 17, 300)
+ROWS = (1, 3, 7, 16, 17, 300)  # up to 16: the decode kernel (groups of four rows); beyond: dense
 # fp32: |kernel - float64 reference| <= 1e-5 * sum_k |x_k w_k| (reordered fp32 sums, fused multiply-adds);
 # bf16 activations and output: the inputs and the result rounded to bf16 (2^-8 relative each)
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

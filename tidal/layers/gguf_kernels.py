@@ -5,7 +5,7 @@ them. The block size names the format (18 bytes: Q4_0, 20: Q4_1, 34: Q8_0), so a
 side record of its type, and row slices (tensor-parallel shards, fused QKV parts, the Q/K un-permutation)
 and block-aligned column slices are plain tensor slices.
 
-On the CPU the products go to csrc/gguf_gemm.cpp (built per ISA level by tidal.native): one to four rows
+On the CPU the products go to csrc/gguf_gemm.cpp (built per ISA level by tidal.native): up to 16 rows
 of a decode step (or the LM head's sampled rows) stream the packed weights once, widening each block in
 registers; prompt rows and bigger batches dequantize the layer into a scratch weight of the activation
 dtype and run the dense GEMM (`cpu_linear`). Without a compiler, and on GPUs, the torch dequantization
@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from tidal.forward_context import skinny_gemm_allowed
-from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS
 from tidal.native import NativeLibrary
 
 QK = 32  # values per block
@@ -28,6 +27,9 @@ QK = 32  # values per block
 BLOCK_FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
 _BY_BYTES = {nbytes: (name, code) for name, (code, nbytes) in BLOCK_FORMATS.items()}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Decode steps of up to this many rows take the packed kernel (gguf_gemm.cpp's kMaxRows); beyond, the
+# dequantized scratch weight and the dense GEMM.
+DECODE_MAX_ROWS = 16
 
 
 def block_format(packed: torch.Tensor) -> str:
@@ -95,7 +97,7 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     M, N = x2.shape[0], packed.shape[0]
     # prompt rows never take the decode kernel (as cpu_linear's skinny GEMM): a prompt's last few tokens
     # computed after a prefix-cache hit round exactly as when the whole prompt runs
-    if x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= SKINNY_MAX_ROWS and skinny_gemm_allowed():
+    if x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= DECODE_MAX_ROWS and skinny_gemm_allowed():
         lib = gguf_lib()
         if lib is not None and (bias is None or bias.dtype == x.dtype):
             x2 = x2.contiguous()

@@ -9,8 +9,9 @@
 // Every format is w = d * q + m per block (Q4_0: m = -8d, Q8_0: m = 0), so a block's dot product with x
 // is d * (q . x) + m * sum(x): the kernels widen q in registers and fold m in once per block.
 //
-// tidal_gguf_linear: M 1..4 (decode of a few requests): the packed weights stream from memory once,
-//   each block widened in registers and multiplied with every row; fp32 or bf16 activations and output.
+// tidal_gguf_linear: M 1..16 (decode steps): the packed weights stream from memory once, each block
+//   widened in registers and multiplied with up to four rows; further groups of four rows reread a
+//   chunk of 64 weight rows from cache; fp32 or bf16 activations and output.
 // tidal_gguf_dequantize: rows of packed weights to fp32 or bf16 [rows, K] (prompt chunks and bigger
 //   batches dequantize the layer into a scratch buffer and run the dense GEMM; embedding lookups).
 #include <cstdint>
@@ -161,11 +162,13 @@ void linear_rows(int type, const float* xf, const float* xsum, const uint8_t* w,
 
 extern "C" {
 
+constexpr int64_t kMaxRows = 16;
+
 // out[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias[N]); x, bias and out of dtype (0 fp32, 1 bf16).
-// Returns non-zero when it does not apply (M outside 1..4, K not a multiple of 32, unknown type).
+// Returns non-zero when it does not apply (M outside 1..kMaxRows, K not a multiple of 32, unknown type).
 int tidal_gguf_linear(const void* x, const void* w, int type, const void* bias, void* out, int64_t M, int64_t N,
                       int64_t K, int dtype, int threads) {
-  if (M < 1 || M > 4 || K % QK != 0 || type < 0 || type > 2 || (dtype != 0 && dtype != 1)) return 1;
+  if (M < 1 || M > kMaxRows || K % QK != 0 || type < 0 || type > 2 || (dtype != 0 && dtype != 1)) return 1;
   const int64_t nb = K / QK;
   std::vector<float> xf(M * K), xsum(M * nb);
   for (int64_t r = 0; r < M; ++r)
@@ -181,19 +184,26 @@ int tidal_gguf_linear(const void* x, const void* w, int type, const void* bias, 
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t n0 = c * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
     float acc[4 * kChunk];
-    switch (M) {
-      case 1: linear_rows<1>(type, xf.data(), xsum.data(), wp, n0, n1, K, acc); break;
-      case 2: linear_rows<2>(type, xf.data(), xsum.data(), wp, n0, n1, K, acc); break;
-      case 3: linear_rows<3>(type, xf.data(), xsum.data(), wp, n0, n1, K, acc); break;
-      default: linear_rows<4>(type, xf.data(), xsum.data(), wp, n0, n1, K, acc); break;
-    }
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t n = n0; n < n1; ++n) {
-        float v = acc[r * (n1 - n0) + (n - n0)];
-        if (bias) v += load_act(bias, dtype, n);
-        if (dtype == 0) static_cast<float*>(out)[r * N + n] = v;
-        else static_cast<uint16_t*>(out)[r * N + n] = float_to_bf16(v);
+    // rows of x in groups of four: the chunk's packed weights (a few KB) come from memory for the first
+    // group and from cache for the others
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int64_t mr = M - r0 < 4 ? M - r0 : 4;
+      const float* xg = xf.data() + r0 * K;
+      const float* sg = xsum.data() + r0 * nb;
+      switch (mr) {
+        case 1: linear_rows<1>(type, xg, sg, wp, n0, n1, K, acc); break;
+        case 2: linear_rows<2>(type, xg, sg, wp, n0, n1, K, acc); break;
+        case 3: linear_rows<3>(type, xg, sg, wp, n0, n1, K, acc); break;
+        default: linear_rows<4>(type, xg, sg, wp, n0, n1, K, acc); break;
       }
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t n = n0; n < n1; ++n) {
+          float v = acc[r * (n1 - n0) + (n - n0)];
+          if (bias) v += load_act(bias, dtype, n);
+          if (dtype == 0) static_cast<float*>(out)[(r0 + r) * N + n] = v;
+          else static_cast<uint16_t*>(out)[(r0 + r) * N + n] = float_to_bf16(v);
+        }
+    }
   }
   return 0;
 }
