@@ -11,7 +11,9 @@ from tidal.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from tidal.layers.gguf_kernels import gguf_linear
 from tidal.layers.linear import cpu_linear
+from tidal.layers.quantization.gguf import packed_lookup
 from tidal.layers.quantization.methods import weight_only_linear
 
 
@@ -32,6 +34,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's table for local ids, in the output dtype."""
+        if self.weight.dtype == torch.uint8:  # GGUF blocks: dequantize the looked-up rows only
+            return packed_lookup(self.weight, ids, self.dtype)
         if self.weight_scale is None:
             return F.embedding(ids, self.weight).to(self.dtype)
         return (self.weight[ids].to(torch.float32) * self.weight_scale[ids].unsqueeze(-1)).to(self.dtype)
@@ -59,7 +63,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab_size] logits, gathered across ranks."""
-        if self.weight_scale is None:
+        if self.weight.dtype == torch.uint8:
+            logits = gguf_linear(hidden, self.weight, None)
+        elif self.weight_scale is None:
             logits = cpu_linear(hidden, self.weight, None)
         else:  # a quantized table: weight-only product (activations unquantized) in every scheme
             logits = weight_only_linear(hidden, self.weight, self.weight_scale, None)

@@ -261,7 +261,13 @@ class RowParallelLinear(LinearBase):
     def rank_columns(self, loaded: torch.Tensor) -> torch.Tensor:
         """This rank's input columns (the bias and per-row scales are whole on every rank; the bias is
         added once, after the reduction)."""
-        return loaded.narrow(1, sum(self.rank_sizes[:self.tp_rank]), self.in_features)
+        start = sum(self.rank_sizes[:self.tp_rank])
+        if loaded.dtype == torch.uint8 and loaded.dim() == 3:  # packed GGUF blocks of 32 columns each
+            if start % 32 or self.in_features % 32:
+                raise ValueError(f"GGUF weight: this rank's input columns [{start}, {start + self.in_features}) "
+                                 "are not whole blocks of 32; use a tensor_parallel_size that splits on blocks")
+            return loaded.narrow(1, start // 32, self.in_features // 32)
+        return loaded.narrow(1, start, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

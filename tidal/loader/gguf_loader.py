@@ -1,6 +1,10 @@
 """GGUF checkpoints (llama.cpp's format): config, tokenizer and weights of a Llama-family model.
 
-Weights are read with the `gguf` package and dequantized to the requested dtype, tensor by tensor.
+Two ways to load one (`prepare_gguf`): by default (quantization "gguf") the weights stay in the file's
+blocks (Q4_0, Q4_1, Q8_0; BF16/F16/F32 tensors as plain tensors) and only the config and tokenizer are
+cached, in ~/.cache/tidal/gguf-meta; with quantization "none" (or another scheme, applied to the
+dequantized weights) the file is dequantized once into an fp32 Hugging Face folder in ~/.cache/tidal/gguf,
+the numerical reference. Weights are read with the `gguf` package, tensor by tensor.
 llama.cpp stores the Q and K projections with their rows permuted for its RoPE layout (pairs of
 adjacent dimensions rotate together); we undo that permutation so the weights match the Hugging Face
 layout (the two halves of each head rotate together) that our rotary embedding uses.
@@ -98,10 +102,15 @@ def load_gguf_tokenizer(path: str, use_fast: bool = True):
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), use_fast=use_fast)
 
 
-def convert_gguf(path: str, out_dir: str) -> str:
-    """Write a GGUF model as a Hugging Face folder (config.json, fp32 model.safetensors, tokenizer
-    files with the chat template). Written to a temporary folder and renamed, so concurrent loaders
-    never see half a conversion."""
+def _has_tokenizer(path: str) -> bool:
+    from gguf import GGUFReader
+    return "tokenizer.ggml.model" in GGUFReader(path).fields
+
+
+def convert_gguf(path: str, out_dir: str, weights: bool = True) -> str:
+    """Write a GGUF model as a Hugging Face folder (config.json, fp32 model.safetensors unless not
+    `weights`, tokenizer files with the chat template). Written to a temporary folder and renamed, so
+    concurrent loaders never see half a conversion."""
     import shutil
     import tempfile
 
@@ -113,9 +122,11 @@ def convert_gguf(path: str, out_dir: str) -> str:
     tmp = tempfile.mkdtemp(dir=parent, prefix=".convert-")
     try:
         config.save_pretrained(tmp)
-        load_gguf_tokenizer(path).save_pretrained(tmp)
-        tensors = {name: w.contiguous() for name, w in iterate_gguf_weights(path, config, torch.float32)}
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if _has_tokenizer(path):  # a file without one serves token-id prompts only
+            load_gguf_tokenizer(path).save_pretrained(tmp)
+        if weights:
+            tensors = {name: w.contiguous() for name, w in iterate_gguf_weights(path, config, torch.float32)}
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         try:
             os.rename(tmp, out_dir)
         except OSError:  # another process finished first
@@ -126,31 +137,87 @@ def convert_gguf(path: str, out_dir: str) -> str:
     return out_dir
 
 
-def cached_conversion(path: str) -> str:
-    """The converted folder of a GGUF file, converting it on first use (keyed by name, size, mtime)."""
+def _cache_folder(path: str, kind: str) -> str:
     st = os.stat(path)
     root = os.environ.get("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal"))
     name = f"{os.path.basename(path).removesuffix('.gguf')}-{st.st_size}-{int(st.st_mtime)}"
-    out = os.path.join(root, "gguf", name)
+    return os.path.join(root, kind, name)
+
+
+def cached_conversion(path: str) -> str:
+    """The converted folder of a GGUF file, converting it on first use (keyed by name, size, mtime)."""
+    out = _cache_folder(path, "gguf")
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         logger.info("Converting %s to %s (once; later loads read the conversion)", path, out)
         convert_gguf(path, out)
     return out
 
 
-def iterate_gguf_weights(path: str, config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def cached_metadata(path: str) -> str:
+    """A folder with the config and tokenizer files of a GGUF file (no weights), written on first use."""
+    out = _cache_folder(path, "gguf-meta")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        convert_gguf(path, out, weights=False)
+    return out
+
+
+def prepare_gguf(path: str, quantization: str | None) -> tuple[str, str | None]:
+    """(folder with config and tokenizer, scheme to build the model with) for a GGUF file: "gguf" keeps
+    the weights in the file's blocks; None, "none" or another scheme read the dequantized conversion
+    (the default until batches of decodes on packed blocks are as fast as on bf16 weights: see
+    docs/quantization.md)."""
+    if quantization == "gguf":
+        return cached_metadata(path), "gguf"
+    return cached_conversion(path), None if quantization == "none" else quantization
+
+
+KEPT_QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")  # block formats loaded as packed blocks
+_PLAIN = ("F32", "F16", "BF16")
+
+
+def open_gguf(path: str):
+    """The file's reader (parsing the header of a file with a large vocabulary takes seconds: open once)."""
+    from gguf import GGUFReader
+    return GGUFReader(path)
+
+
+def packed_embedding_formats(reader) -> dict[str, int]:
+    """{HF name: block bytes} of the embedding / LM-head tables the file (a reader) quantizes."""
+    from tidal.layers.gguf_kernels import BLOCK_FORMATS
+    out = {}
+    for t in reader.tensors:
+        if t.name in ("token_embd.weight", "output.weight") and t.tensor_type.name in KEPT_QUANTIZED:
+            out[hf_name(t.name)] = BLOCK_FORMATS[t.tensor_type.name][1]
+    return out
+
+
+def iterate_gguf_weights(path, config, dtype: torch.dtype,
+                         keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of each tensor of the file (a path or an open_gguf reader), dequantized to dtype;
+    with keep_quantized, tensors in the KEPT_QUANTIZED formats come as packed uint8 [rows, K / 32,
+    block_bytes] (tidal.layers.gguf_kernels) and other quantized formats are refused by name."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = GGUFReader(path) if isinstance(path, str) else path
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for t in reader.tensors:
         name = hf_name(t.name)
-        array = dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's ne order
-        w = torch.from_numpy(np.array(array, dtype=np.float32))
+        kind = t.tensor_type.name
+        if keep_quantized and kind in KEPT_QUANTIZED and t.data.ndim == 2:
+            # [rows, row bytes] as stored; a row permutation moves whole rows of blocks
+            rows = np.array(t.data)
+            w = torch.from_numpy(rows).view(rows.shape[0], -1, rows.shape[1] // (int(t.shape[0]) // 32))
+        elif keep_quantized and kind not in _PLAIN:
+            raise ValueError(f"GGUF tensor {t.name!r} is of type {kind}, which quantization='gguf' does not run "
+                             f"(it runs {', '.join(KEPT_QUANTIZED + _PLAIN)}); quantization='none' dequantizes "
+                             "the file at load")
+        else:
+            array = dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's ne order
+            w = torch.from_numpy(np.array(array, dtype=np.float32))
         if ".q_proj." in name:
             w = unpermute_qk(w, heads)
         elif ".k_proj." in name:
             w = unpermute_qk(w, kv_heads)
-        yield name, w.to(dtype)
+        yield name, w if w.dtype == torch.uint8 else w.to(dtype)

@@ -15,6 +15,7 @@ import torch
 
 from tidal.layers.embedding import VocabParallelEmbedding
 from tidal.layers.quantization import get_quantization_config
+from tidal.layers.quantization.gguf import pack_embedding
 from tidal.layers.quantization.methods import quantize_embeddings
 from tidal.loader import gguf_loader
 from tidal.models.registry import resolve_model_class
@@ -202,8 +203,26 @@ def _log_dtype_choice(dtype, act: torch.dtype, weight: torch.dtype, device) -> N
 def narrow_embeddings(model: torch.nn.Module, weight_dtype: torch.dtype) -> None:
     """Store the embedding and LM-head tables in weight_dtype (a tied head shares the converted table)."""
     for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) and module.weight.dtype != weight_dtype:
+        if (isinstance(module, VocabParallelEmbedding) and module.weight.dtype != weight_dtype
+                and module.weight.dtype != torch.uint8):  # GGUF blocks stay packed
             module.weight.data = module.weight.data.to(weight_dtype)
+
+
+def _pack_gguf_tables(net: torch.nn.Module, config, formats: dict[str, int]) -> None:
+    """Packed parameters for the embedding and LM-head tables the GGUF file quantizes (`formats`: HF name ->
+    block bytes), before loading: a tied head shares the embedding's, a tied head on another pipeline stage
+    loads its own packed copy."""
+    embed = getattr(getattr(net, "model", None), "embed_tokens", None)
+    head = getattr(net, "lm_head", None)
+    embed_bytes = formats.get("model.embed_tokens.weight")
+    head_bytes = embed_bytes if getattr(config, "tie_word_embeddings", False) else formats.get("lm_head.weight")
+    if isinstance(embed, VocabParallelEmbedding) and embed_bytes:
+        pack_embedding(embed, embed_bytes)
+    if isinstance(head, VocabParallelEmbedding) and head_bytes:
+        if getattr(net, "tied", False):
+            head.tie_to(embed)
+        else:
+            pack_embedding(head, head_bytes)
 
 
 def process_weights_after_loading(model: torch.nn.Module) -> None:
@@ -225,8 +244,12 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     comes from `tokenizer` when given, else from the model's folder (see load_tokenizer)."""
     path = resolve_model_path(model)
     is_gguf = path.endswith(".gguf")
+    gguf_file = path if is_gguf else None
     if is_gguf:
-        path = gguf_loader.cached_conversion(path)
+        path, quantization = gguf_loader.prepare_gguf(path, quantization)
+    elif quantization == "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights in its blocks; {path!r} is not a "
+                         ".gguf file")
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
     tokenizer = load_tokenizer(path, tokenizer, tokenizer_mode)  # before the weights: a bad path fails fast
@@ -235,7 +258,12 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     quant = get_quantization_config(quantization, config, weight_dtype, torch_dtype)
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant) if quant else model_cls(config, dtype=torch_dtype)
-    weights = iterate_safetensors(path, torch_dtype)
+    if quant is not None and quant.name == "gguf":
+        reader = gguf_loader.open_gguf(gguf_file)
+        _pack_gguf_tables(net, config, gguf_loader.packed_embedding_formats(reader))
+        weights = gguf_loader.iterate_gguf_weights(reader, config, torch_dtype, keep_quantized=True)
+    else:
+        weights = iterate_safetensors(path, torch_dtype)
     net.load_weights(weights)
     net.eval()
     if quant is not None and quant.embedding_format is not None:
@@ -247,7 +275,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"
     if quant is not None and quant.name is not None:
-        weights_note = f" (quantization {quant.name}" + (", from the checkpoint)" if quant.from_checkpoint else ")")
+        weights_note = f" (quantization {quant.name}" + (", the file's blocks)" if quant.name == "gguf" else
+                                                         ", from the checkpoint)" if quant.from_checkpoint else ")")
     logger.info("Loaded %s (%s) in %s%s on %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
                 weights_note, torch.device(device), weight_bytes / 1e6)
     return LoadedModel(net, config, tokenizer, path, name, weight_bytes, torch_dtype, weight_dtype,

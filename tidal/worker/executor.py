@@ -83,8 +83,9 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
     path = resolve_model_path(model)
     is_gguf = path.endswith(".gguf")
-    if is_gguf:  # as load_model: converted once here, so the workers only read the conversion
-        path = gguf_loader.cached_conversion(path)
+    quantization = engine_config.quantization
+    if is_gguf:  # as load_model: converted once here (if at all), so the workers only read the conversion
+        path, quantization = gguf_loader.prepare_gguf(path, quantization)
     config = load_config(path)
     model_cls = resolve_model_class(config)  # refuse an unsupported architecture before any worker starts
     if pp > 1 and not getattr(model_cls, "supports_pp", False):
@@ -96,7 +97,7 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     act_dtype, weight_dtype = resolve_dtypes(dtype, config, engine_config.device,
                                              checkpoint_fp32=False if is_gguf else None)
-    quant = get_quantization_config(engine_config.quantization, config, weight_dtype, act_dtype)  # refuses early
+    quant = get_quantization_config(quantization, config, weight_dtype, act_dtype)  # refuses early
     tokenizer = load_tokenizer(path, engine_config.tokenizer, engine_config.tokenizer_mode)
     return ModelMeta(config, tokenizer, path, name, act_dtype, quant.name if quant else None)
 

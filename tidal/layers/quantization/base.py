@@ -9,7 +9,9 @@ import torch
 
 from tidal.layers.linear import Bf16WeightLinearMethod, UnquantizedLinearMethod
 
-QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "experts_int8")
+# "gguf": a GGUF file's weights kept in its blocks (only when asked: .gguf files load dequantized by
+# default); "none": no scheme, the checkpoint's weights in the model dtype (a GGUF file dequantized at load)
+QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "experts_int8", "gguf", "none")
 
 
 @dataclass
@@ -23,17 +25,21 @@ class QuantizationConfig:
     name: str | None
     base_linear: UnquantizedLinearMethod
     from_checkpoint: bool = False
+    weight_dtype: torch.dtype | None = None  # of plain (unquantized) tensors a scheme keeps as they are
 
     def linear_method(self):
         from tidal.layers.quantization import methods
         if self.name in (None, "experts_int8"):
             return self.base_linear
+        if self.name == "gguf":
+            from tidal.layers.quantization.gguf import GGUFLinearMethod
+            return GGUFLinearMethod(self.weight_dtype)
         return {"int8": methods.Int8LinearMethod, "w8a8": methods.W8A8LinearMethod,
                 "fp8": methods.Fp8LinearMethod}[self.name](self.from_checkpoint)
 
     def moe_method(self):
         from tidal.layers.quantization import methods
-        if self.name is None:
+        if self.name in (None, "gguf"):
             return None
         if self.name == "fp8":
             return methods.Fp8MoEMethod(self.from_checkpoint)
@@ -75,6 +81,8 @@ def get_quantization_config(quantization: str | None, hf_config, weight_dtype: t
     """The config to build the model with, or None (plain weights in the model dtype)."""
     base = Bf16WeightLinearMethod() if weight_dtype != act_dtype else UnquantizedLinearMethod()
     stored = checkpoint_quantization(hf_config)
+    if quantization == "none":
+        quantization = None
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None); "
                          f"got {quantization!r}")
@@ -83,6 +91,8 @@ def get_quantization_config(quantization: str | None, hf_config, weight_dtype: t
             raise ValueError(f"quantization {quantization!r} cannot load this checkpoint: its weights are already "
                              "FP8 (quantization_config.quant_method 'fp8'); use quantization='fp8' or leave it unset")
         return QuantizationConfig("fp8", base, from_checkpoint=True)
+    if quantization == "gguf":  # the loader checks that the model is a GGUF file
+        return QuantizationConfig("gguf", base, from_checkpoint=True, weight_dtype=weight_dtype)
     if quantization is None:
         return QuantizationConfig(None, base) if isinstance(base, Bf16WeightLinearMethod) else None
     if quantization == "experts_int8" and not _has_experts(hf_config):
