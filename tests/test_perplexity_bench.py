@@ -1,5 +1,5 @@
-"""The measuring tools of the quantization benchmark: benchmarks/perplexity.py's windows and figure,
-on a tiny model (a second or two)."""
+"""The measuring tools of the quantization benchmark: benchmarks/perplexity.py's windows and figure, and
+benchmarks/peers/make_q8_0_gguf.py's Q/K layout, on tiny models (a second or two)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import hf_model, hf_prompt_logprobs, random_prompts, tiny_llm
 
@@ -54,3 +55,11 @@ def test_perplexity_equals_transformers_on_the_same_windows(tiny_model_dir):
     assert result["mean_nll"] == pytest.approx(nll / (len(ids) - 1), rel=1e-4)
     assert result["perplexity"] == pytest.approx(math.exp(nll / (len(ids) - 1)), rel=1e-4)
 
+
+def test_gguf_qk_permutation_inverts_the_loaders():
+    pytest.importorskip("gguf")
+    from tidal.loader.gguf_loader import unpermute_qk
+    make_gguf = _load(BENCH / "peers" / "make_q8_0_gguf.py")
+    w = torch.randn(3 * 64, 40)  # 3 heads of 64 rows
+    assert torch.equal(torch.from_numpy(make_gguf.permute_qk(unpermute_qk(w, 3).numpy(), 3)), w)
+    assert not torch.equal(unpermute_qk(w, 3), w)
