@@ -150,6 +150,14 @@ def test_w8a8_matches_reference_exactly(rows, dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_of_more_rows_than_one_quantized_chunk(dtype):
+    """Activations are quantized 512 rows at a time (bounded scratch): a prompt chunk of 700 rows."""
+    wq = _weights(20, 37, torch.int8)
+    x, scale, bias = _inputs(700, 20, 37, dtype)
+    assert torch.equal(qk.w8a8_linear(x, wq, scale, bias), qk.w8a8_linear_reference(x, wq, scale, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a8_rows_do_not_depend_on_the_batch(dtype):
     n, k = 203, 1541
     wq = _weights(n, k, torch.int8)

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from tidal.layers import quant_kernels
 from tidal.native import NativeLibrary
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -66,6 +67,8 @@ def describe() -> str:
         parts.append("silu-and-mul")
     if gemm is not None:
         parts.append("bf16-weight GEMM" + (" (VDPBF16PS)" if cpu_isa() == "avx512_bf16" else ""))
+    if (int8_dot := quant_kernels.int8_dot_kind()) is not None:
+        parts.append(f"int8/fp8 GEMM (W8A8: {int8_dot})")
     return f"CPU ISA {cpu_isa()} ({lanes} fp32 lanes): native {', '.join(parts)}"
 
 

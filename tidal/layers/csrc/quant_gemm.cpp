@@ -68,13 +68,18 @@ template <class T> T* scratch(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
-// fp32 copy of rows x (fp32 or bf16), or x itself when it is fp32
-const float* as_f32(const void* x, int dtype, int64_t n) {
-  if (dtype == kF32) return static_cast<const float*>(x);
+// rows [m0, m0 + rows) of x [M, K] (fp32 or bf16) as fp32: x itself, or a copy in a thread-local buffer
+// (callers convert a bounded number of rows at a time, so that the buffer stays small)
+const float* rows_f32(const void* x, int dtype, int64_t m0, int64_t rows, int64_t K) {
+  if (dtype == kF32) return static_cast<const float*>(x) + m0 * K;
   static thread_local std::vector<float> buf;
-  float* out = scratch(buf, n);
-  const uint16_t* src = static_cast<const uint16_t*>(x);
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(src[i]);
+  float* out = scratch(buf, rows * K);
+  const uint16_t* src = static_cast<const uint16_t*>(x) + m0 * K;
+  int64_t i = 0;
+#if defined(TIDAL_VEC)
+  for (; i + simd::W <= rows * K; i += simd::W) simd::store(out + i, simd::load_bf16(src + i));
+#endif
+  for (; i < rows * K; ++i) out[i] = bf16_to_float(src[i]);
   return out;
 }
 
@@ -103,6 +108,10 @@ struct F32Epilogue {
     if (bias) v = v + load_bias(bias, dtype, n);
     store_out(out, dtype, m * N + n, v);
   }
+#if defined(TIDAL_VEC)
+  // the same for the W / 4 rows m0 + m by 4 columns n0 + r held in lane 4m + r of s
+  inline void store_square(simd::vf s, int64_t m0, int64_t n0) const;
+#endif
 };
 
 struct Int8W {
@@ -149,9 +158,49 @@ struct F32W {  // weights already widened (the blocked path's buffer)
 using simd::vf;
 using simd::W;
 
+// The lane sum of one fp32 accumulator, by one fixed tree (lanes i + W/2, then i + W/4, ...): written out
+// here rather than left to the compiler's reduce builtin, because hsum_lanes below must match it bit
+// for bit.
+#if TIDAL_VEC == 16
+inline float hsum(vf a) {
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// W lane sums at once, each by hsum's additions: lane 4j + e of the result is hsum(v[4e + j])
+inline vf hsum_lanes(const vf v[16]) {
+  vf t[8], u[4], w[2];
+  for (int p = 0; p < 8; ++p)  // blocks [v2p 0-1 + v2p 2-3 | v2p+1 0-1 + v2p+1 2-3]: lanes i + i + 8
+    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44), _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xee));
+  for (int q = 0; q < 4; ++q)  // block j: v[4q + j]'s lanes i + i + 4
+    u[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0x88), _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], 0xdd));
+  for (int h = 0; h < 2; ++h)  // lanes i + i + 2 of two accumulators per block
+    w[h] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * h], u[2 * h + 1], 0x44), _mm512_shuffle_ps(u[2 * h], u[2 * h + 1], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
+}
+#else
+inline float hsum(vf a) {
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// lane 4j + e of the result is hsum(v[2e + j])
+inline vf hsum_lanes(const vf v[8]) {
+  vf t[4], u[2];
+  for (int p = 0; p < 4; ++p)
+    t[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20), _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+  for (int h = 0; h < 2; ++h)
+    u[h] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * h], t[2 * h + 1], 0x44), _mm256_shuffle_ps(t[2 * h], t[2 * h + 1], 0xee));
+  return _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xdd));
+}
+#endif
+
 // MR x NR outputs: x rows m0 + [0, MR) (x points at row m0, stride ldx) against weight rows w + r * K,
-// r < NR (output columns n0 + r). The order of every sum is fixed: W lanes over k in steps of W, the
-// lane reduction, the ragged tail in k order.
+// r < NR (output columns n0 + r). The order of every sum is fixed: W lanes over k in steps of W, hsum,
+// the ragged tail in k order, then the epilogue.
 // prefetch (or null): the bytes at prefetch + i, i < NR * K * sizeof(T), are asked for during the k loop
 template <int MR, int NR, class Src>
 inline void dot_tile(const float* x, int64_t ldx, const typename Src::T* w, int64_t K, const F32Epilogue& epi,
@@ -173,10 +222,74 @@ inline void dot_tile(const float* x, int64_t ldx, const typename Src::T* w, int6
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) {
-      float s = simd::reduce_add(acc[m][r]);
-      for (int64_t k = kfull; k < K; ++k) s += x[m * ldx + k] * Src::one(w + r * K + k);
+      float s = hsum(acc[m][r]);
+      for (int64_t k = kfull; k < K; ++k) s = s + x[m * ldx + k] * Src::one(w + r * K + k);
       epi(m0 + m, n0 + r, s);
     }
+}
+
+// The blocked path's register tile: W / 4 rows of x by 4 rows of widened weights (wf, stride K), the W
+// outputs finished together: hsum_lanes puts row m's four in lanes 4m .. 4m + 3, then the tail and the
+// epilogue run on whole vectors, lane by lane the same operations as dot_tile's scalar ones.
+constexpr int kSquareMR = W / 4;
+
+inline void square_tile(const float* x, int64_t ldx, const float* wf, int64_t K, const F32Epilogue& epi, int64_t m0,
+                        int64_t n0) {
+  constexpr int MR = kSquareMR, NR = 4;
+  vf acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = simd::zero();
+  const int64_t kfull = K - K % W;
+  for (int64_t k = 0; k < kfull; k += W) {
+    vf xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = simd::load(x + m * ldx + k);
+    for (int r = 0; r < NR; ++r) {
+      const vf wv = simd::load(wf + r * K + k);
+      for (int m = 0; m < MR; ++m) acc[m][r] = simd::fmadd(xv[m], wv, acc[m][r]);
+    }
+  }
+  vf v[W];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) v[MR * r + m] = acc[m][r];  // lane 4m + r after hsum_lanes
+  vf s = hsum_lanes(v);
+  if (kfull < K) {  // lane 4m + r gathers x[m, k] and wf[r, k]
+    alignas(64) int32_t xi[W], wi[W];
+    for (int i = 0; i < W; ++i) {
+      xi[i] = static_cast<int32_t>((i / 4) * ldx);
+      wi[i] = static_cast<int32_t>((i % 4) * K);
+    }
+#if TIDAL_VEC == 16
+    const __m512i xidx = _mm512_load_si512(xi), widx = _mm512_load_si512(wi);
+    for (int64_t k = kfull; k < K; ++k)
+      s = simd::add(s, simd::mul(_mm512_i32gather_ps(xidx, x + k, 4), _mm512_i32gather_ps(widx, wf + k, 4)));
+#else
+    const __m256i xidx = _mm256_load_si256(reinterpret_cast<const __m256i*>(xi));
+    const __m256i widx = _mm256_load_si256(reinterpret_cast<const __m256i*>(wi));
+    for (int64_t k = kfull; k < K; ++k)
+      s = simd::add(s, simd::mul(_mm256_i32gather_ps(x + k, xidx, 4), _mm256_i32gather_ps(wf + k, widx, 4)));
+#endif
+  }
+  epi.store_square(s, m0, n0);
+}
+
+inline void F32Epilogue::store_square(vf s, int64_t m0, int64_t n0) const {
+  alignas(64) float col[W];  // the four columns' scales (and biases) repeated in every row's lanes
+  for (int i = 0; i < W; ++i) col[i] = w_scale[n0 + i % 4];
+  vf v = simd::mul(s, simd::mul(simd::load(col), simd::set1(post)));
+  if (bias) {
+    for (int i = 0; i < W; ++i) col[i] = load_bias(bias, dtype, n0 + i % 4);
+    v = simd::add(v, simd::load(col));
+  }
+  alignas(64) float lanes[W];
+  simd::store(lanes, v);
+  for (int m = 0; m < W / 4; ++m) {
+    if (dtype == kBF16) {
+      uint16_t* dst = static_cast<uint16_t*>(out) + (m0 + m) * N + n0;
+      for (int r = 0; r < 4; ++r) dst[r] = float_to_bf16(lanes[4 * m + r]);
+    } else {
+      std::memcpy(static_cast<float*>(out) + (m0 + m) * N + n0, lanes + 4 * m, 4 * sizeof(float));
+    }
+  }
 }
 
 // weight rows per register tile, by rows of x: MR + 1 + MR * NR registers (16 on AVX2, 32 on AVX-512)
@@ -195,29 +308,24 @@ void skinny_w8a16(const float* x, const typename Src::T* w, const F32Epilogue& e
   for (int64_t n0 = tiles * NR; n0 < N; ++n0) dot_tile<MR, 1, Src>(x, K, w + n0 * K, K, epi, m0, n0);
 }
 
-// register tile of the blocked path: MR rows of x by NR weight rows, MR + 1 + MR * NR registers
-constexpr int kBlockMR = W == 16 ? 4 : 3;
-constexpr int kBlockNR = W == 16 ? 6 : 4;
-
+// M rows of x (from row m0) against NR widened weight rows (columns n0 ..)
 template <int NR>
 void rows_tile(const float* x, int64_t M, const float* wf, int64_t K, const F32Epilogue& epi, int64_t m0,
                int64_t n0) {
-  constexpr int MR = kBlockMR;
+  constexpr int MR = kSquareMR;
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) dot_tile<MR, NR, F32W>(x + m * K, K, wf, K, epi, m0 + m, n0);
-  switch (M - m) {
-    case 3: dot_tile<3, NR, F32W>(x + m * K, K, wf, K, epi, m0 + m, n0); break;
-    case 2: dot_tile<2, NR, F32W>(x + m * K, K, wf, K, epi, m0 + m, n0); break;
-    case 1: dot_tile<1, NR, F32W>(x + m * K, K, wf, K, epi, m0 + m, n0); break;
-    default: break;
-  }
+  if constexpr (NR == 4)
+    for (; m + MR <= M; m += MR) square_tile(x + m * K, K, wf, K, epi, m0 + m, n0);
+  for (; m + 2 <= M; m += 2) dot_tile<2, NR, F32W>(x + m * K, K, wf, K, epi, m0 + m, n0);
+  if (m < M) dot_tile<1, NR, F32W>(x + m * K, K, wf, K, epi, m0 + m, n0);
 }
 
-// rows [m0, m0 + M) of x against all weight rows, in blocks of weight rows widened once into fp32
+// M rows of x (x points at row m0) against all weight rows, in blocks of weight rows widened once into
+// fp32
 template <class Src>
 void blocked_w8a16(const float* x, const typename Src::T* w, const F32Epilogue& epi, int64_t m0, int64_t M,
                    int64_t N, int64_t K, int num_threads) {
-  constexpr int NR = kBlockNR;
+  constexpr int NR = 4;
   // weight rows per block: about 96 KiB of widened weights (L2), a multiple of NR, and enough blocks
   // to keep every thread busy
   int64_t NB = std::max<int64_t>(NR, std::min<int64_t>(64, (96 * 1024 / (4 * K)) / NR * NR));
@@ -235,37 +343,47 @@ void blocked_w8a16(const float* x, const typename Src::T* w, const F32Epilogue& 
       for (; i + W <= nb * K; i += W) simd::store(wf + i, Src::vec(src + i));
       for (; i < nb * K; ++i) wf[i] = Src::one(src + i);
       int64_t r = 0;
-      for (; r + NR <= nb; r += NR) rows_tile<NR>(x + m0 * K, M, wf + r * K, K, epi, m0, n0 + r);
-      for (; r < nb; ++r) rows_tile<1>(x + m0 * K, M, wf + r * K, K, epi, m0, n0 + r);
+      for (; r + 4 <= nb; r += 4) rows_tile<4>(x, M, wf + r * K, K, epi, m0, n0 + r);
+      for (; r < nb; ++r) rows_tile<1>(x, M, wf + r * K, K, epi, m0, n0 + r);
     }
   }
 }
 #endif
 
+// x [M, K] (dtype kF32 or kBF16)
 template <class Src>
-void w8a16(const float* x, const typename Src::T* w, const F32Epilogue& epi, int64_t M, int64_t N, int64_t K,
-           int num_threads) {
+void w8a16(const void* x, int dtype, const typename Src::T* w, const F32Epilogue& epi, int64_t M, int64_t N,
+           int64_t K, int num_threads) {
 #if defined(TIDAL_VEC)
   if (M > kSkinnyMaxRows) {
     // chunks of rows whose activations stay in L2 while every weight block passes over them
     const int64_t chunk = std::max<int64_t>(kSkinnyMaxRows + 1, (256 * 1024) / (4 * K));
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) blocked_w8a16<Src>(x, w, epi, m0, std::min(chunk, M - m0), N, K, num_threads);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t rows = std::min(chunk, M - m0);
+      blocked_w8a16<Src>(rows_f32(x, dtype, m0, rows, K), w, epi, m0, rows, N, K, num_threads);
+    }
     return;
   }
+  const float* xf = rows_f32(x, dtype, 0, M, K);
   switch (M) {
-    case 1: skinny_w8a16<1, Src>(x, w, epi, 0, N, K, num_threads); break;
-    case 2: skinny_w8a16<2, Src>(x, w, epi, 0, N, K, num_threads); break;
-    case 3: skinny_w8a16<3, Src>(x, w, epi, 0, N, K, num_threads); break;
-    default: skinny_w8a16<4, Src>(x, w, epi, 0, N, K, num_threads); break;
+    case 1: skinny_w8a16<1, Src>(xf, w, epi, 0, N, K, num_threads); break;
+    case 2: skinny_w8a16<2, Src>(xf, w, epi, 0, N, K, num_threads); break;
+    case 3: skinny_w8a16<3, Src>(xf, w, epi, 0, N, K, num_threads); break;
+    default: skinny_w8a16<4, Src>(xf, w, epi, 0, N, K, num_threads); break;
   }
 #else
+  constexpr int64_t chunk = 64;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    const float* xf = rows_f32(x, dtype, m0, rows, K);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * Src::one(w + n * K + k);
-      epi(m, n, s);
-    }
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t m = 0; m < rows; ++m) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += xf[m * K + k] * Src::one(w + n * K + k);
+        epi(m0 + m, n, s);
+      }
+  }
 #endif
 }
 
@@ -305,22 +423,8 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* scale) {
 }
 
 void quantize_rows(const void* x, int dtype, int64_t M, int64_t K, int8_t* xq, float* scale, int num_threads) {
-#pragma omp parallel num_threads(M * K >= (1 << 16) ? num_threads : 1)
-  {
-    std::vector<float> row(dtype == kBF16 ? K : 0);
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xr;
-      if (dtype == kBF16) {
-        const uint16_t* src = static_cast<const uint16_t*>(x) + m * K;
-        for (int64_t k = 0; k < K; ++k) row[k] = bf16_to_float(src[k]);
-        xr = row.data();
-      } else {
-        xr = static_cast<const float*>(x) + m * K;
-      }
-      quantize_row(xr, K, xq + m * K, scale + m);
-    }
-  }
+#pragma omp parallel for schedule(static) num_threads(M * K >= (1 << 16) ? num_threads : 1)
+  for (int64_t m = 0; m < M; ++m) quantize_row(rows_f32(x, dtype, m, 1, K), K, xq + m * K, scale + m);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -741,10 +845,9 @@ extern "C" {
 int tidal_w8a16_linear(const void* x, int x_dtype, const void* w, int w_kind, const float* w_scale, const void* bias,
                        void* out, int64_t M, int64_t N, int64_t K, int num_threads) {
   if (M < 1 || (x_dtype != kF32 && x_dtype != kBF16) || (w_kind != 0 && w_kind != 1)) return -1;
-  const float* xf = as_f32(x, x_dtype, M * K);
   const F32Epilogue epi{w_scale, w_kind == 1 ? 256.f : 1.f, bias, out, x_dtype, N};
-  if (w_kind == 0) w8a16<Int8W>(xf, static_cast<const int8_t*>(w), epi, M, N, K, num_threads);
-  else w8a16<Fp8W>(xf, static_cast<const uint8_t*>(w), epi, M, N, K, num_threads);
+  if (w_kind == 0) w8a16<Int8W>(x, x_dtype, static_cast<const int8_t*>(w), epi, M, N, K, num_threads);
+  else w8a16<Fp8W>(x, x_dtype, static_cast<const uint8_t*>(w), epi, M, N, K, num_threads);
   return 0;
 }
 
@@ -776,14 +879,21 @@ void tidal_int8_gemm_i32(const void* xq, const void* w, const int32_t* row_sums,
 int tidal_w8a8_linear(const void* x, int x_dtype, const void* w, const int32_t* row_sums, const float* w_scale,
                       const void* bias, void* out, int64_t M, int64_t N, int64_t K, int num_threads) {
   if (M < 1 || (x_dtype != kF32 && x_dtype != kBF16)) return -1;
+  // chunks of rows quantized into thread-local buffers (bounded: 512 rows), each a product of its own
+  constexpr int64_t chunk = 512;
   static thread_local std::vector<int8_t> xq_buf;
   static thread_local std::vector<float> scale_buf;
-  int8_t* xq = scratch(xq_buf, M * K);
-  float* x_scale = scratch(scale_buf, M);
-  quantize_rows(x, x_dtype, M, K, xq, x_scale, num_threads);
+  int8_t* xq = scratch(xq_buf, std::min(chunk, M) * K);
+  float* x_scale = scratch(scale_buf, std::min(chunk, M));
   const int8_t* ws = static_cast<const int8_t*>(w);
-  const IntEpilogue epi{row_sums_for(ws, row_sums, N, K, num_threads), x_scale, w_scale, bias, out, x_dtype, N};
-  int8_gemm(xq, ws, epi, M, N, K, num_threads);
+  const int32_t* sums = row_sums_for(ws, row_sums, N, K, num_threads);
+  const int64_t x_bytes = x_dtype == kBF16 ? 2 : 4;  // of an element of x and of out
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    quantize_rows(static_cast<const char*>(x) + m0 * K * x_bytes, x_dtype, rows, K, xq, x_scale, num_threads);
+    const IntEpilogue epi{sums, x_scale, w_scale, bias, static_cast<char*>(out) + m0 * N * x_bytes, x_dtype, N};
+    int8_gemm(xq, ws, epi, rows, N, K, num_threads);
+  }
   return 0;
 }
 
