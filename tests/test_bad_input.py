@@ -148,7 +148,7 @@ def test_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path, m
                                          ({"dtype": "int3"}, "dtype"), ({"max_model_len": 10**6}, "max_model_len"),
                                          ({"kv_cache_memory_bytes": 10}, "kv_cache_memory_bytes"),
                                          ({"quantization": "awq"}, "quantization"),
-                                         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype")])
+                                         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype")])
 def test_bad_engine_arguments(tiny_model_dir, kwargs, name):
     with pytest.raises(ValueError, match=name):
         tiny_llm(tiny_model_dir("llama"), **kwargs)

@@ -60,9 +60,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None for the "
                              f"checkpoint's own weights); got {self.quantization!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: only 'auto' (the KV "
-                             "cache in the model's dtype; bf16 under fp32 activations with bf16 weights)")
+        from tidal.layers.attention.kv_cache_dtype import check_kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)  # "auto" (the model's dtype), "fp8" / "fp8_e4m3"
         self.device = resolve_device(self.device)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from tidal.config import EngineConfig
+from tidal.layers.attention.kv_cache_dtype import KV_CACHE_DTYPES
 from tidal.layers.quantization import QUANTIZATION_METHODS
 
 
@@ -43,8 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="quantize the weights as they load: int8 (int8 weights, W8A16), w8a8 (int8 weights and "
                    "activations), fp8 (E4M3 weights), experts_int8 (only MoE experts in int8); default: the "
                    "checkpoint's own weights (an FP8 checkpoint loads as fp8)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (only 'auto': the model's dtype, bf16 "
-                   "under fp32 activations with bf16 weights)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache dtype: auto (the model's dtype; bf16 under fp32 activations with bf16 weights), "
+                   "fp8 or fp8_e4m3 (E4M3, one byte per value: twice the tokens of a bf16 cache in the same memory; "
+                   "per-layer scales from the checkpoint when it has them, else 1.0)")
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: derived)")
     _bool_flag(g, "disable-log-stats", False, "do not log periodic engine stats")
     return parser
