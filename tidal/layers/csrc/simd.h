@@ -31,17 +31,18 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
 // FP8 E4M3 (torch.float8_e4m3fn: bias 7, no infinities, 0x7f/0xff NaN, largest finite 448).
 //   from_float: round to nearest even, saturating to +-448 (infinities too), NaN -> 0x7f | sign: torch's
 //     conversion (c10 fp8e4m3fn_from_fp32_value), bit for bit, written on the fp32 bits.
-//   to_float_raw: the byte's bits placed in an fp16 (sign to bit 15, exponent and mantissa to bits 13..7)
+//   raw_half_bits: the byte's bits placed in an fp16 (sign to bit 15, exponent and mantissa to bits 13..7)
 //     are its value times 2^-8, exactly (fp16's exponent bias is 15, E4M3's 7; subnormals map to
 //     subnormals). The vector loads widen so (F16C), and callers fold the 2^8 into a scale they apply
-//     anyway. NaN bytes read as 480.
+//     anyway. NaN bytes read as 480. In vectors: the byte sign-extended to 16 bits and shifted left by 7
+//     has the sign at bits 15 and 14 and the rest at 13..7; clearing bit 14 (and 6..0) leaves the fp16.
 namespace e4m3 {
 constexpr float kMax = 448.f;
 constexpr int32_t kInf = 0x7f800000;
 constexpr int32_t kMinNormal = 121 << 23;         // 2^-6 as fp32 bits: below it, E4M3 subnormals
 constexpr int32_t kDenormMagic = 141 << 23;       // 2^14: adding it rounds to a multiple of 2^-9 (RNE)
 constexpr int32_t kRebias = -(120 << 23) + 0x7ffff;  // exponent 127 -> 7, and rounding to 3 mantissa bits
-constexpr int16_t kHalfSign = static_cast<int16_t>(0x8000), kHalfRest = 0x3f80;
+constexpr int16_t kHalfMask = static_cast<int16_t>(0xbf80);
 
 inline uint8_t from_float(float f) {
   uint32_t u; std::memcpy(&u, &f, 4);
@@ -103,10 +104,8 @@ inline vf round_nearest(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEA
 inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 // 16 E4M3 bytes as fp32, each 2^-8 x its value (see namespace e4m3)
 inline vf load_e4m3_raw(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(e4m3::kHalfSign)),
-                                    _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(e4m3::kHalfRest)));
-  return _mm512_cvtph_ps(h);
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(e4m3::kHalfMask)));
 }
 inline void store_e4m3(uint8_t* p, vf x) {  // 16 values to E4M3 as e4m3::from_float
   x = _mm512_min_ps(_mm512_set1_ps(e4m3::kMax), _mm512_max_ps(_mm512_set1_ps(-e4m3::kMax), x));  // NaN stays NaN
@@ -179,10 +178,8 @@ inline vf scale_pow2(vf p, vf n) {  // p * 2^n for integral n in [-252, 254]: tw
 }
 // 8 E4M3 bytes as fp32, each 2^-8 x its value (see namespace e4m3)
 inline vf load_e4m3_raw(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(e4m3::kHalfSign)),
-                                 _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(e4m3::kHalfRest)));
-  return _mm256_cvtph_ps(h);
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(e4m3::kHalfMask)));
 }
 inline void store_e4m3(uint8_t* p, vf x) {  // 8 values to E4M3 as e4m3::from_float
   x = _mm256_min_ps(_mm256_set1_ps(e4m3::kMax), _mm256_max_ps(_mm256_set1_ps(-e4m3::kMax), x));  // NaN stays NaN
