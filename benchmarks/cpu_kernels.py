@@ -9,8 +9,8 @@
   and on the plain weight (F.linear), for 16 to 2048 rows, summed the same way (the LM head only up
   to 256 rows: it sees one row per sequence).
 - Paged attention: 64 decodes over 1,100 cached tokens each, and one 64-token prompt chunk over
-  1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16 and fp32 caches and
-  bf16 over bf16. GFLOP/s count 4 * heads * head_dim per query and cached token.
+  1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16, fp32 and FP8 (E4M3)
+  caches and bf16 over bf16 and FP8. GFLOP/s count 4 * heads * head_dim per query and cached token.
 Run with the machine otherwise idle; name the CPU (lscpu) beside the figures.
 """
 from __future__ import annotations
@@ -71,7 +71,8 @@ def gemm_bf16(isa: str) -> None:
 def attention(isa: str) -> None:
     nb, hk, hq, bs, d, ctx, n = 600, 3, 9, 16, 64, 1100, 64
     for qdt, kdt in ((torch.float32, torch.bfloat16), (torch.float32, torch.float32),
-                     (torch.bfloat16, torch.bfloat16)):
+                     (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float8_e4m3fn),
+                     (torch.bfloat16, torch.float8_e4m3fn)):
         if isa != "avx512_bf16" and qdt == torch.bfloat16:
             continue  # bf16 activations are not what dtype auto picks there
         kv = torch.randn(kv_cache_shape(nb, bs, hk, d)).to(kdt)
@@ -89,7 +90,7 @@ def attention(isa: str) -> None:
             dt = timed(lambda: cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5,
                                                                   index))
             flops = 4 * hq * d * int(lens.sum())
-            print(f"{isa:12s} attention {str(qdt)[6:]:8s} over {str(kdt)[6:]:8s} cache, {name:15s}: "
+            print(f"{isa:12s} attention {str(qdt)[6:]:8s} over {str(kdt)[6:]:13s} cache, {name:15s}: "
                   f"{dt * 1e3:7.2f} ms ({flops / dt / 1e9:6.1f} GFLOP/s)")
 
 

@@ -148,7 +148,7 @@ def test_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path, m
                                          ({"dtype": "int3"}, "dtype"), ({"max_model_len": 10**6}, "max_model_len"),
                                          ({"kv_cache_memory_bytes": 10}, "kv_cache_memory_bytes"),
                                          ({"quantization": "awq"}, "quantization"),
-                                         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+                                         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
                                          ({"tokenizer_mode": "mistral"}, "tokenizer_mode"),
                                          ({"tokenizer": "/no/such/tokenizer"}, "tokenizer path '/no/such/tokenizer'"),
                                          ({"swap_space": 4}, "swap_space 4 is not supported: Tidal preempts a "

@@ -67,14 +67,13 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        # a flag does what it says or is refused: these have no implementation yet
+        # a flag does what it says or is refused
         from tidal.layers.quantization import QUANTIZATION_METHODS
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None for the "
                              f"checkpoint's own weights); got {self.quantization!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: only 'auto' (the KV "
-                             "cache in the model's dtype; bf16 under fp32 activations with bf16 weights)")
+        from tidal.layers.attention.kv_cache_dtype import check_kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)  # "auto" (the model's dtype), "fp8" / "fp8_e4m3"
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}; got {self.tokenizer_mode!r} "
                              "(Tidal loads tokenizers with transformers only: no 'mistral' or custom tokenizers)")

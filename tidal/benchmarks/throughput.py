@@ -22,6 +22,7 @@ import time
 
 from tidal.benchmarks import datasets
 from tidal.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tidal.layers.attention.kv_cache_dtype import describe_kv_cache_dtype
 
 WARMUP_MAX_PROMPTS = 16
 
@@ -275,6 +276,8 @@ def _print_report(tidal: dict, hf: dict | None, dtype: str, machine: dict, out=s
       f"{tidal['num_output_tokens']} output tokens), {dtype} on {where}, elapsed {tidal['elapsed_s']:.2f} s")
     p(f"Throughput: {tidal['requests_per_s']:.2f} requests/s, {tidal['total_tokens_per_s']:.1f} total tokens/s, "
       f"{tidal['output_tokens_per_s']:.1f} output tokens/s")
+    if "kv_cache_dtype" in tidal:
+        p(f"KV cache: {tidal['kv_cache_dtype']}, {tidal['kv_cache_tokens']} tokens")
     p(f"KV cache utilization: {100 * tidal['kv_utilization']:.1f}% (allocated slots holding tokens, mean over "
       f"{tidal['num_steps']} steps); preemptions: {tidal['num_preemptions']}; prefix cache hit rate: "
       f"{100 * tidal['prefix_cache_hit_rate']:.1f}%")
@@ -301,6 +304,8 @@ def main(args: argparse.Namespace) -> int:
     machine = _machine(config.device)  # load before the run: the benchmark's own load would read as contention
     tidal = run_tidal(llm, requests, warmup, args.runs, not args.disable_detokenize,
                       progress=sys.stderr.isatty())
+    tidal.update(kv_cache_dtype=describe_kv_cache_dtype(engine.kv_cache_dtype),
+                 kv_cache_tokens=engine.kv_plan.num_tokens)
     dtype = str(engine.dtype).removeprefix("torch.")
     hf = None
     if args.compare == "hf":

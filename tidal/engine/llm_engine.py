@@ -19,6 +19,7 @@ from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.stats import EngineStats, StatsLogger
 from tidal.engine.stop_checker import append_tokens
+from tidal.layers.attention.kv_cache_dtype import describe_kv_cache_dtype, kv_cache_torch_dtype
 from tidal.loader import load_model
 from tidal.loader.loader import load_generation_config
 from tidal.outputs import RequestOutput
@@ -70,7 +71,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.dtype = loaded.dtype  # activations and KV cache
+        self.dtype = loaded.dtype  # activations
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, loaded.weight_dtype)
         self.quantization = loaded.quantization  # the scheme the weights are stored in (None: plain)
         hf = loaded.config
         self.vocab_size = hf.vocab_size
@@ -112,9 +114,10 @@ class LLMEngine:
         # speculative decoding: an object with propose(request) -> draft token ids for its next tokens
         # (tidal/engine/proposer.py); None runs one token per request per step
         self.proposer = None
-        logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
-                    "tokens = %d tokens (%.1f requests of max_model_len)", time.perf_counter() - t0,
-                    self.model_name, str(self.dtype).removeprefix("torch."), config.device, self.max_model_len,
+        logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %s at %d bytes per token: "
+                    "%.1f MiB = %d blocks of %d tokens = %d tokens (%.1f requests of max_model_len)",
+                    time.perf_counter() - t0, self.model_name, str(self.dtype).removeprefix("torch."), config.device,
+                    self.max_model_len, describe_kv_cache_dtype(self.kv_cache_dtype), plan.bytes_per_token,
                     plan.num_bytes / 2**20, plan.num_blocks, config.block_size, plan.num_tokens,
                     plan.num_tokens / self.max_model_len)
 

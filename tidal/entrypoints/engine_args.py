@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from tidal.config import TOKENIZER_MODES, EngineConfig
+from tidal.layers.attention.kv_cache_dtype import KV_CACHE_DTYPES
 from tidal.layers.quantization import QUANTIZATION_METHODS
 
 
@@ -64,8 +65,10 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
                    "weights kept in its blocks); default: the "
                    "checkpoint's own weights (an FP8 checkpoint loads as fp8; a GGUF file dequantized at load); none: "
                    "the checkpoint's weights in the model dtype")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (only 'auto': the model's dtype, bf16 "
-                   "under fp32 activations with bf16 weights)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache dtype: auto (the model's dtype; bf16 under fp32 activations with bf16 weights), "
+                   "fp8 or fp8_e4m3 (E4M3, one byte per value: twice the tokens of a bf16 cache in the same memory; "
+                   "per-layer scales from the checkpoint when it has them, else 1.0)")
     g.add_argument("--served-model-name", default=None,
                    help="the model's name in the API and the logs (default: the model folder's or file's name)")
     default = "on" if disable_log_stats else "off"

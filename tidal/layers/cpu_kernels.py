@@ -2,7 +2,7 @@
 with thin wrappers that return None (or False) when the kernel cannot run so callers fall back to torch
 ops:
     csrc/cpu_kernels.cpp   paged attention, fused residual + RMSNorm, rotary, KV-cache writes, silu-and-mul,
-                           greedy argmax over logits rows
+                           greedy argmax over logits rows; the KV cache may be FP8 (E4M3, per-layer scales)
     csrc/gemm.cpp          products with bf16 weights, all from the plain [out, in] weight: fp32
                            activations (any number of rows; the path of bf16 checkpoints on CPUs without
                            native bf16), bf16 activations of one to four rows (decode of a few requests)
@@ -21,12 +21,14 @@ from tidal.layers import quant_kernels
 from tidal.native import NativeLibrary
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CACHE_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3}  # an FP8 (E4M3) KV cache: kv_cache_dtype "fp8"
 
 
 def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_attention_decode
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
+    fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
+                   + [ctypes.c_float] * 2 + [ctypes.c_int])
     fn = lib.tidal_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -43,7 +45,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_write_kv
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                   + [ctypes.c_int] * 2)
+                   + [ctypes.c_int] * 2 + [ctypes.c_float] * 2)
 
 
 _LIB = NativeLibrary("cpu_kernels", os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp"),
@@ -78,17 +80,20 @@ def _lib_for(t: torch.Tensor) -> ctypes.CDLL | None:
 
 
 def _cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """The kernels read a cache of the activations' dtype, or a bf16 cache under fp32 activations."""
-    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.bfloat16)
+    """The kernels read a cache of the activations' dtype, a bf16 cache under fp32 activations, or an FP8
+    cache under any."""
+    return (cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.bfloat16)
+            or cache_dtype == torch.float8_e4m3fn)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           table_index: torch.Tensor | None = None) -> torch.Tensor | None:
+                           table_index: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor | None:
     """q [B, Hq, D], each a query over its first seq_lens[b] cached K/V (layouts of layer.split_kv_cache),
     through block_tables[table_index[b]] (block_tables[b] without an index). The cache is of q's dtype,
-    or bf16 under fp32 queries. Returns None when the native kernel is unavailable or the inputs are not
-    on the CPU."""
+    bf16 under fp32 queries, or FP8 (E4M3) holding K / k_scale and V / v_scale, widened in registers.
+    Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
     lib = _lib_for(q)
     if lib is None or q.dtype not in _DTYPES or not _cache_dtype_ok(q.dtype, k_cache.dtype):
         return None
@@ -102,7 +107,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         None if index is None else index.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
-        _DTYPES[q.dtype], _DTYPES[k_cache.dtype], torch.get_num_threads())
+        _DTYPES[q.dtype], _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale, torch.get_num_threads())
     return out
 
 
@@ -123,9 +128,10 @@ def rope_neox(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> bool:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
     """Store k/v [T, Hk, D] (rows may be strided) at their slots of k_cache [nb, Hk, D, bs] and
-    v_cache [nb, Hk, bs, D]; False when the native kernel does not apply."""
+    v_cache [nb, Hk, bs, D]; an FP8 cache gets k / k_scale and v / v_scale converted as
+    kv_cache_dtype.quantize does, bit for bit. False when the native kernel does not apply."""
     lib = _lib_for(k)
     if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype or not _cache_dtype_ok(k.dtype, k_cache.dtype)
             or v_cache.dtype != k_cache.dtype or slot_mapping.dtype != torch.int64):
@@ -136,7 +142,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     T, Hk, D = k.shape
     lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.contiguous().data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
-                       _DTYPES[k_cache.dtype])
+                       _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale)
     return True
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tidal.distributed import get_pp_indices, get_pp_rank, get_pp_size, is_last_pp_stage
+from tidal.layers.attention.kv_cache_dtype import load_kv_scale
 from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.layers.linear import default_weight_loader
 
@@ -23,6 +24,8 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     loaded: set[str] = set()
     for name, tensor in weights:
         if any(name.endswith(s) for s in skip) or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if load_kv_scale(model, name, tensor):  # per-layer KV-cache scales, where the checkpoint has them
             continue
         for fused, part, shard in stacked_params:
             if f".{part}." in name:

@@ -63,6 +63,7 @@ class ModelMeta:
     name: str
     dtype: object
     quantization: str | None = None
+    weight_dtype: object = None  # of linear layers and embeddings (and of an "auto" KV cache)
 
 
 def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
@@ -99,7 +100,8 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
                                              checkpoint_fp32=False if is_gguf else None)
     quant = get_quantization_config(quantization, config, weight_dtype, act_dtype)  # refuses early
     tokenizer = load_tokenizer(path, engine_config.tokenizer, engine_config.tokenizer_mode)
-    return ModelMeta(config, tokenizer, path, name, act_dtype, quant.name if quant else None)
+    return ModelMeta(config, tokenizer, path, name, act_dtype, quant.name if quant else None,
+                     weight_dtype)
 
 
 def create_executor(config: EngineConfig, eos_token_ids: tuple[int, ...]):

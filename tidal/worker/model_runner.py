@@ -25,6 +25,7 @@ from tidal.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutp
 from tidal.device import lazy_zeros, to_device
 from tidal.forward_context import ForwardContext, set_forward_context
 from tidal.layers.attention import Attention
+from tidal.layers.attention.kv_cache_dtype import FP8, describe_kv_cache_dtype, kv_cache_torch_dtype
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.sampler import PromptTokenLogprobs, Sampler, SamplingMetadata, TokenLogprobs, prompt_logprobs
@@ -53,7 +54,7 @@ class ModelRunner:
         self.model = model
         self.dtype = dtype
         # the activations' dtype, or bf16 under fp32 activations with bf16 weights: half the memory per
-        # token, the same as a bf16 model's, rounded as the model's weights are
+        # token, the same as a bf16 model's, rounded as the model's weights are; or FP8 (E4M3, one byte)
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -75,11 +76,27 @@ class ModelRunner:
     def from_config(cls, loaded, config, eos_token_ids: tuple[int, ...]) -> ModelRunner:
         """For a LoadedModel (tidal/loader) under an EngineConfig whose max_model_len and
         max_num_batched_tokens the engine has resolved."""
-        return cls(loaded.model, loaded.dtype, config.block_size, config.seed, eos_token_ids,
-                   kv_cache_dtype=loaded.weight_dtype, max_num_seqs=config.max_num_seqs,
-                   max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens)
+        runner = cls(loaded.model, loaded.dtype, config.block_size, config.seed, eos_token_ids,
+                     kv_cache_dtype=kv_cache_torch_dtype(config.kv_cache_dtype, loaded.weight_dtype),
+                     max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                     max_num_batched_tokens=config.max_num_batched_tokens)
+        runner.log_kv_scales()
+        return runner
 
     # -- KV cache --------------------------------------------------------------------------------
+    def log_kv_scales(self) -> None:
+        if self.kv_cache_dtype != FP8 or not self.attn_layers:
+            return
+        loaded = [a for a in self.attn_layers if a.kv_scales_from_checkpoint]
+        if not loaded:
+            logger.info("KV cache %s: the checkpoint has no KV-cache scales, so K and V are stored with scale "
+                        "1.0 (values beyond +-448 saturate)", describe_kv_cache_dtype(self.kv_cache_dtype))
+            return
+        scales = [s for a in loaded for s in (a.k_scale, a.v_scale)]
+        logger.info("KV cache %s: per-layer K/V scales from the checkpoint for %d of %d attention layers "
+                    "(%.4g to %.4g; the others 1.0)", describe_kv_cache_dtype(self.kv_cache_dtype), len(loaded),
+                    len(self.attn_layers), min(scales), max(scales))
+
     def kv_bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)

@@ -83,10 +83,9 @@ def estimate_memory(hf_config, *, dtype: torch.dtype = torch.bfloat16, quantizat
     requests of each context length fit in gpu_memory_utilization x device_bytes, less the weights and
     an activation reserve."""
     from tidal.distributed import set_parallel_state
+    from tidal.layers.attention.kv_cache_dtype import kv_cache_torch_dtype
     from tidal.worker.model_runner import ModelRunner
-    kv_dtype = {"auto": dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}.get(kv_cache_dtype)
-    if kv_dtype is None:
-        raise ValueError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3; got {kv_cache_dtype!r}")
+    kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
     set_parallel_state(tp_rank=0, tp_size=1)
     try:
         total_params, _ = _param_bytes(_build_on_meta(hf_config, dtype, None))

@@ -61,12 +61,12 @@ class CPUNativeBackend(AttentionBackend):
         q = q.view(T, layer.num_heads, layer.head_dim)
         k_cache, v_cache = split_kv_cache(layer.kv_cache)
         write_kv(k_cache, v_cache, k.view(T, layer.num_kv_heads, layer.head_dim),
-                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping)
+                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale)
         out = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale,
-                                                 meta.token_rows)
+                                                 meta.token_rows, layer.k_scale, layer.v_scale)
         if out is None:  # a dtype the kernel does not take: the torch decode path, one query per token
             out = decode_attention(q, k_cache, v_cache, meta.block_table[meta.token_rows], meta.seq_lens,
-                                   meta.max_seq_len, layer.scale)
+                                   meta.max_seq_len, layer.scale, layer.k_scale, layer.v_scale)
         return out.view(T, -1)
 
 
@@ -111,20 +111,20 @@ class TorchSDPABackend(AttentionBackend):
         k = k.view(T, layer.num_kv_heads, layer.head_dim)
         v = v.view(T, layer.num_kv_heads, layer.head_dim)
         k_cache, v_cache = split_kv_cache(layer.kv_cache)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer.k_scale, layer.v_scale)
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
             out[:n] = decode_attention(q[:n], k_cache, v_cache, meta.decode_tables, meta.decode_seq_lens,
-                                       meta.decode_max_seq_len, layer.scale)
+                                       meta.decode_max_seq_len, layer.scale, layer.k_scale, layer.v_scale)
         for chunk in meta.prefills:
             q_start, q_len, ctx_len = chunk.query_start, chunk.query_len, chunk.context_len
             qs = q[q_start:q_start + q_len]
-            if ctx_len == 0:  # the whole sequence is in this batch: no need to read the cache
+            if ctx_len == 0:  # the whole sequence is in this batch: attends over its K/V as computed, not as cached
                 ks = k[q_start:q_start + q_len].transpose(0, 1)
                 vs = v[q_start:q_start + q_len].transpose(0, 1)
-            else:
-                ks, vs = gather_kv(k_cache, v_cache, chunk.block_ids, ctx_len + q_len)
-                ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # a bf16 cache under fp32 activations
+            else:  # (a bf16 cache under fp32 activations, or an FP8 cache: widened to q's dtype)
+                ks, vs = gather_kv(k_cache, v_cache, chunk.block_ids, ctx_len + q_len, q.dtype, layer.k_scale,
+                                   layer.v_scale)
             out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, layer.scale)
         return out.view(T, -1)

@@ -3,7 +3,8 @@ The layer hands q/k/v to the step's backend (tidal/layers/attention/backends.py)
 step's K/V into the layer's KV cache at `slot_mapping`, then attends through block tables.
 
 KV cache per layer: one tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (`kv_cache_shape`),
-in the activations' dtype, or bf16 under fp32 activations (bf16 weights on a CPU without native bf16).
+in the activations' dtype, bf16 under fp32 activations (bf16 weights on a CPU without native bf16), or
+FP8 E4M3 with the layer's k_scale / v_scale (kv_cache_dtype "fp8": tidal/layers/attention/kv_cache_dtype.py).
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
 so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
 without horizontal sums.
@@ -16,6 +17,7 @@ from torch import nn
 
 from tidal.forward_context import get_forward_context
 from tidal.layers import cpu_kernels
+from tidal.layers.attention.kv_cache_dtype import read_blocks, write_slots
 
 
 class Attention(nn.Module):
@@ -26,6 +28,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        # an FP8 cache holds K / k_scale and V / v_scale: from the checkpoint when it has them
+        self.k_scale, self.v_scale = 1.0, 1.0
+        self.kv_scales_from_checkpoint = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D], through the step's attention backend."""
@@ -44,21 +49,19 @@ def split_kv_cache(kv_cache: torch.Tensor):
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's k/v [T, Hk, D] at their slots (slot = block * block_size + offset)."""
-    if cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping):
-        return
-    block_size = v_cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, :, :, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, :, offsets, :] = v.to(v_cache.dtype)
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store this step's k/v [T, Hk, D] at their slots (slot = block * block_size + offset); an FP8 cache
+    stores k / k_scale and v / v_scale."""
+    if not cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
+        write_slots(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
-def gather_kv(k_cache, v_cache, block_ids: torch.Tensor, seq_len: int):
-    """A request's first seq_len K/V rows, [Hk, seq_len, D] each."""
+def gather_kv(k_cache, v_cache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype,
+              k_scale: float = 1.0, v_scale: float = 1.0):
+    """A request's first seq_len K/V rows in dtype, [Hk, seq_len, D] each (an FP8 cache's dequantized)."""
     hk, d = v_cache.shape[1], v_cache.shape[3]
-    ks = k_cache[block_ids].permute(1, 0, 3, 2).reshape(hk, -1, d)[:, :seq_len]
-    vs = v_cache[block_ids].permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :seq_len]
+    ks = read_blocks(k_cache, block_ids, dtype, k_scale).permute(1, 0, 3, 2).reshape(hk, -1, d)[:, :seq_len]
+    vs = read_blocks(v_cache, block_ids, dtype, v_scale).permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :seq_len]
     return ks, vs
 
 
@@ -79,16 +82,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len
 
 
 def decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     max_seq_len: int, scale: float) -> torch.Tensor:
+                     max_seq_len: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query token per request: q [B, Hq, D] over each request's cached K/V (torch fallback of
-    the native kernel: gathers the blocks, then attends with a padding mask)."""
+    the native kernel: gathers the blocks, then attends with a padding mask). k_scale / v_scale: of an
+    FP8 cache (ignored for others)."""
     B, Hq, D = q.shape
     _, Hk, block_size, _ = v_cache.shape
     nb = -(-max_seq_len // block_size)
     bt = block_tables[:, :nb]
     L = nb * block_size
-    ks = k_cache[bt].permute(0, 2, 1, 4, 3).reshape(B, Hk, L, D).to(q.dtype)  # [B, Hk, L, D]
-    vs = v_cache[bt].permute(0, 2, 1, 3, 4).reshape(B, Hk, L, D).to(q.dtype)
+    ks = read_blocks(k_cache, bt, q.dtype, k_scale).permute(0, 2, 1, 4, 3).reshape(B, Hk, L, D)  # [B, Hk, L, D]
+    vs = read_blocks(v_cache, bt, q.dtype, v_scale).permute(0, 2, 1, 3, 4).reshape(B, Hk, L, D)
     mask = torch.arange(L, device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
     qh = q.view(B, Hk, Hq // Hk, D)  # the query heads of each KV group act as query rows
     o = F.scaled_dot_product_attention(qh, ks, vs, attn_mask=mask[:, None, None, :], scale=scale)

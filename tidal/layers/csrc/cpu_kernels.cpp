@@ -2,6 +2,8 @@
 // from the block-structured cache (no gather copy); work is split over (request, KV head) pairs and
 // the query heads that share a KV head (GQA) are processed together so each K/V row is read once.
 // Also: fused residual + RMSNorm, rotary embedding, and the write of new K/V rows into the cache.
+// The cache is of the activations' dtype, bf16 under fp32 activations, or FP8 E4M3 (kv_cache_dtype "fp8")
+// with one scale per layer for K and one for V: stored = e4m3(x / scale), read = e4m3 * scale.
 // Plain C ABI (called through ctypes), no torch headers: it builds in a few seconds.
 #include <algorithm>
 #include <cmath>
@@ -12,7 +14,7 @@
 
 #include "simd.h"
 
-enum DType { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum DType { kF32 = 0, kBF16 = 1, kF16 = 2, kFP8 = 3 };  // kFP8: E4M3, caches only
 
 static inline float half_to_float(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
@@ -40,11 +42,13 @@ static inline uint16_t float_to_half(float f) {
 #endif
 }
 
+// One value as fp32; an E4M3 value as 2^-8 x its value (simd.h, namespace e4m3): the attention kernel
+// folds the 2^8 into the layer's scales.
 template <int DT> static inline float load1(const void* p, int64_t i) {
-  if (DT == kF32) return static_cast<const float*>(p)[i];
-  const uint16_t v = static_cast<const uint16_t*>(p)[i];
-  if (DT == kBF16) return simd::bf16_to_float(v);
-  return half_to_float(v);
+  if constexpr (DT == kF32) return static_cast<const float*>(p)[i];
+  else if constexpr (DT == kFP8) return half_to_float(simd::e4m3::raw_half_bits(static_cast<const uint8_t*>(p)[i]));
+  else if constexpr (DT == kBF16) return simd::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  else return half_to_float(static_cast<const uint16_t*>(p)[i]);
 }
 
 template <int DT> static inline void store1(void* p, int64_t i, float f) {
@@ -59,15 +63,16 @@ template <int DT> static inline float round_to(float f) {  // f rounded to the d
   return load1<DT>(&buf, 0);
 }
 
-template <int DT> static inline int64_t elem_size() { return DT == kF32 ? 4 : 2; }
+template <int DT> static inline int64_t elem_size() { return DT == kF32 ? 4 : DT == kFP8 ? 1 : 2; }
 
 #if defined(TIDAL_VEC)
 using simd::vf;
 using simd::W;
-template <int DT> static inline vf loadv(const void* p, int64_t i) {  // W values of the dtype, as fp32
-  if (DT == kF32) return simd::load(static_cast<const float*>(p) + i);
-  if (DT == kBF16) return simd::load_bf16(static_cast<const uint16_t*>(p) + i);
-  return simd::load_f16(static_cast<const uint16_t*>(p) + i);
+template <int DT> static inline vf loadv(const void* p, int64_t i) {  // W values of the dtype, as fp32 (as load1)
+  if constexpr (DT == kF32) return simd::load(static_cast<const float*>(p) + i);
+  else if constexpr (DT == kFP8) return simd::load_e4m3_raw(static_cast<const uint8_t*>(p) + i);
+  else if constexpr (DT == kBF16) return simd::load_bf16(static_cast<const uint16_t*>(p) + i);
+  else return simd::load_f16(static_cast<const uint16_t*>(p) + i);
 }
 #endif
 
@@ -451,15 +456,19 @@ static int64_t query_tile(int64_t G) {
 }
 #endif
 
-// QDT: queries and output; KDT: the cache (fp32 queries over a bf16 cache when activations are fp32).
+// QDT: queries and output; KDT: the cache (fp32 queries over a bf16 cache when activations are fp32, or an
+// E4M3 cache under any activations: it is read as 2^-8 x its values, so 2^8 x k_scale goes into the query
+// scale and 2^8 x v_scale into the output).
 // Consecutive queries over the same block table whose lengths grow by one (the tokens of a prompt
 // chunk) are attended together in tiles, so each K/V row read serves the whole tile (measured on a
 // 64-token chunk over 1,100 cached tokens: 1.6x with AVX-512 BF16, 1.2x with AVX2).
 template <int QDT, int KDT>
 static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                    const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                   int64_t bs, int64_t max_blocks, float scale, int num_threads) {
+                   int64_t bs, int64_t max_blocks, float scale, float k_scale, float v_scale, int num_threads) {
   const int64_t G = Hq / Hk;
+  const float out_scale = KDT == kFP8 ? 256.f * v_scale : 1.f;
+  if (KDT == kFP8) scale *= 256.f * k_scale;
   int64_t QT = 1;
 #if defined(TIDAL_VEC)
   const AttendFn vec = bs % W == 0 ? attend_for<KDT, QDT == KDT>(G, D) : nullptr;
@@ -514,7 +523,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
       for (int64_t i = 0; i < n; ++i)
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d)
-            store1<QDT>(out, ((b0 + i) * Hq + h * G + g) * D + d, acc[(i * G + g) * D + d]);
+            store1<QDT>(out, ((b0 + i) * Hq + h * G + g) * D + d, acc[(i * G + g) * D + d] * out_scale);
     }
   }
 }
@@ -553,6 +562,34 @@ template <typename S, typename E>
 static inline E convert(S x) {
   if constexpr (std::is_same<S, E>::value) return x;
   else return float_to_bf16(x);  // fp32 rows into a bf16 cache
+}
+
+// An E4M3 cache: each value divided by its layer's scale in fp32, then converted as torch's
+// x.float().div(scale).clamp(-448, 448).to(torch.float8_e4m3fn) does (simd.h, namespace e4m3), bit for bit.
+template <int DT>
+static void to_e4m3(const void* src, int64_t start, int64_t n, float scale, uint8_t* dst) {
+  int64_t i = 0;
+#if defined(TIDAL_VEC)
+  const vf s = simd::set1(scale);
+  for (; i + W <= n; i += W) simd::store_e4m3(dst + i, simd::div(loadv<DT>(src, start + i), s));
+#endif
+  for (; i < n; ++i) dst[i] = simd::e4m3::from_float(load1<DT>(src, start + i) / scale);
+}
+
+template <int DT>
+static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
+                          uint8_t* kc, uint8_t* vc, int64_t T, int64_t Hk, int64_t D, int64_t bs, float k_scale,
+                          float v_scale) {
+  std::vector<uint8_t> row(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = slots[t] / bs, off = slots[t] % bs;
+    for (int64_t h = 0; h < Hk; ++h) {
+      to_e4m3<DT>(k, t * k_stride + h * D, D, k_scale, row.data());
+      uint8_t* kdst = kc + (block * Hk + h) * D * bs + off;
+      for (int64_t d = 0; d < D; ++d) kdst[d * bs] = row[d];
+      to_e4m3<DT>(v, t * v_stride + h * D, D, v_scale, vc + ((block * Hk + h) * bs + off) * D);
+    }
+  }
 }
 
 template <typename S, typename E>
@@ -683,16 +720,24 @@ void tidal_rope_neox(const void* x, int64_t x_stride, const float* cos_full, con
   else rope_neox<kF16>(x, x_stride, cos_full, sin_signed, positions, out, T, H, D, num_threads);
 }
 
-// dtype: of k and v; kv_dtype: of the cache (equal, or fp32 rows into a bf16 cache).
+// dtype: of k and v; kv_dtype: of the cache (equal, fp32 rows into a bf16 cache, or any rows into an E4M3
+// cache, divided by k_scale / v_scale first).
 void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                     void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype,
-                    int kv_dtype) {
-  if (dtype == kF32 && kv_dtype == kBF16)
+                    int kv_dtype, float k_scale, float v_scale) {
+#define TIDAL_WRITE_E4M3(S) write_kv_e4m3<S>(k, k_stride, v, v_stride, slots, static_cast<uint8_t*>(k_cache), \
+                                             static_cast<uint8_t*>(v_cache), T, Hk, D, block_size, k_scale, v_scale)
+  if (kv_dtype == kFP8) {
+    if (dtype == kF32) TIDAL_WRITE_E4M3(kF32);
+    else if (dtype == kBF16) TIDAL_WRITE_E4M3(kBF16);
+    else TIDAL_WRITE_E4M3(kF16);
+  } else if (dtype == kF32 && kv_dtype == kBF16)
     write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
   else if (dtype == kF32)
     write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
   else  // any 2-byte type into the same type
     write_kv<uint16_t, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+#undef TIDAL_WRITE_E4M3
 }
 
 // x, residual (may be null), out, residual_out: [T, H]; weight [H]. dtype: 0 f32, 1 bf16, 2 f16.
@@ -706,14 +751,20 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 // q [B, Hq, D]; k_cache [num_blocks, Hk, D, block_size]; v_cache [num_blocks, Hk, block_size, D];
 // block_tables [rows, max_blocks]; table_index [B] (query b reads row table_index[b]; null: row b);
 // seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype (q and out), kv_dtype
-// (the cache): 0 f32, 1 bf16, 2 f16; equal, or fp32 queries over a bf16 cache.
+// (the cache): 0 f32, 1 bf16, 2 f16, 3 E4M3; equal, fp32 queries over a bf16 cache, or any queries over an
+// E4M3 cache whose values are k_scale / v_scale times the stored ones (ignored for other caches).
 void tidal_paged_attention_decode(const void* q, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
                                   void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
-                                  int64_t max_blocks, float scale, int dtype, int kv_dtype, int num_threads) {
+                                  int64_t max_blocks, float scale, int dtype, int kv_dtype, float k_scale,
+                                  float v_scale, int num_threads) {
 #define TIDAL_DECODE(Q, K) decode<Q, K>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, \
-                                        block_size, max_blocks, scale, num_threads)
-  if (dtype == kF32 && kv_dtype == kBF16) TIDAL_DECODE(kF32, kBF16);
+                                        block_size, max_blocks, scale, k_scale, v_scale, num_threads)
+  if (kv_dtype == kFP8) {
+    if (dtype == kF32) TIDAL_DECODE(kF32, kFP8);
+    else if (dtype == kBF16) TIDAL_DECODE(kBF16, kFP8);
+    else TIDAL_DECODE(kF16, kFP8);
+  } else if (dtype == kF32 && kv_dtype == kBF16) TIDAL_DECODE(kF32, kBF16);
   else if (dtype == kF32) TIDAL_DECODE(kF32, kF32);
   else if (dtype == kBF16) TIDAL_DECODE(kBF16, kBF16);
   else TIDAL_DECODE(kF16, kF16);

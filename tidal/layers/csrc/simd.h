@@ -1,5 +1,5 @@
 // A few fp32 vector operations over the widest registers the build's ISA level has: AVX-512 (16
-// lanes) or AVX2 + FMA (8 lanes). Kernels written against them build for either level; a build with
+// lanes) or AVX2 + FMA (8 lanes), and the conversions to and from bf16 and FP8 E4M3. Kernels written against them build for either level; a build with
 // neither (TIDAL_VEC undefined) keeps only the kernels' scalar paths.
 #pragma once
 #include <cmath>
@@ -27,6 +27,47 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
+
+// FP8 E4M3 (torch.float8_e4m3fn: bias 7, no infinities, 0x7f/0xff NaN, largest finite 448).
+//   from_float: round to nearest even, saturating to +-448 (infinities too), NaN -> 0x7f | sign: torch's
+//     conversion (c10 fp8e4m3fn_from_fp32_value), bit for bit, written on the fp32 bits.
+//   raw_half_bits: the byte's bits placed in an fp16 (sign to bit 15, exponent and mantissa to bits 13..7)
+//     are its value times 2^-8, exactly (fp16's exponent bias is 15, E4M3's 7; subnormals map to
+//     subnormals). The vector loads widen so (F16C), and callers fold the 2^8 into a scale they apply
+//     anyway. NaN bytes read as 480. In vectors: the byte sign-extended to 16 bits and shifted left by 7
+//     has the sign at bits 15 and 14 and the rest at 13..7; clearing bit 14 (and 6..0) leaves the fp16.
+namespace e4m3 {
+constexpr float kMax = 448.f;
+constexpr int32_t kInf = 0x7f800000;
+constexpr int32_t kMinNormal = 121 << 23;         // 2^-6 as fp32 bits: below it, E4M3 subnormals
+constexpr int32_t kDenormMagic = 141 << 23;       // 2^14: adding it rounds to a multiple of 2^-9 (RNE)
+constexpr int32_t kRebias = -(120 << 23) + 0x7ffff;  // exponent 127 -> 7, and rounding to 3 mantissa bits
+constexpr int16_t kHalfMask = static_cast<int16_t>(0xbf80);
+
+inline uint8_t from_float(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  const uint32_t sign = u & 0x80000000u, a = u ^ sign;
+  uint8_t r;
+  if (a > static_cast<uint32_t>(kInf)) {
+    r = 0x7f;
+  } else if (a >= 0x43e00000u) {  // >= 448 (and infinity): saturate
+    r = 0x7e;
+  } else if (a < static_cast<uint32_t>(kMinNormal)) {
+    float x, magic; std::memcpy(&x, &a, 4);
+    const uint32_t m = kDenormMagic; std::memcpy(&magic, &m, 4);
+    x += magic;
+    uint32_t xb; std::memcpy(&xb, &x, 4);
+    r = static_cast<uint8_t>(xb - m);
+  } else {
+    r = static_cast<uint8_t>((a + static_cast<uint32_t>(kRebias) + ((a >> 20) & 1u)) >> 20);
+  }
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+inline uint16_t raw_half_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+}
+}  // namespace e4m3
 
 #if TIDAL_VEC == 16
 using vf = __m512;
@@ -61,6 +102,26 @@ inline void store_bf16(uint16_t* p, vf v) {
 }
 inline vf round_nearest(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+// 16 E4M3 bytes as fp32, each 2^-8 x its value (see namespace e4m3)
+inline vf load_e4m3_raw(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(e4m3::kHalfMask)));
+}
+inline void store_e4m3(uint8_t* p, vf x) {  // 16 values to E4M3 as e4m3::from_float
+  x = _mm512_min_ps(_mm512_set1_ps(e4m3::kMax), _mm512_max_ps(_mm512_set1_ps(-e4m3::kMax), x));  // NaN stays NaN
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_set1_epi32(e4m3::kDenormMagic)))),
+      _mm512_set1_epi32(e4m3::kDenormMagic));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i norm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(e4m3::kRebias)), odd), 20);
+  __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(e4m3::kMinNormal)), norm, sub);
+  r = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(e4m3::kInf)), r, _mm512_set1_epi32(0x7f));
+  r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(r));
+}
 #elif TIDAL_VEC == 8
 using vf = __m256;
 constexpr int W = 8;
@@ -114,6 +175,30 @@ inline vf scale_pow2(vf p, vf n) {  // p * 2^n for integral n in [-252, 254]: tw
   const vf f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
   const vf f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
   return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+}
+// 8 E4M3 bytes as fp32, each 2^-8 x its value (see namespace e4m3)
+inline vf load_e4m3_raw(const uint8_t* p) {
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(e4m3::kHalfMask)));
+}
+inline void store_e4m3(uint8_t* p, vf x) {  // 8 values to E4M3 as e4m3::from_float
+  x = _mm256_min_ps(_mm256_set1_ps(e4m3::kMax), _mm256_max_ps(_mm256_set1_ps(-e4m3::kMax), x));  // NaN stays NaN
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  const __m256i a = _mm256_xor_si256(bits, sign);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(_mm256_set1_epi32(e4m3::kDenormMagic)))),
+      _mm256_set1_epi32(e4m3::kDenormMagic));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  const __m256i norm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(e4m3::kRebias)), odd), 20);
+  __m256i r = _mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(e4m3::kMinNormal), a));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(e4m3::kInf)));
+  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+  const __m256i w = _mm256_packus_epi32(r, r);  // per 128-bit half: 4 values as 16 bits, twice
+  const __m256i b = _mm256_packus_epi16(w, w);  // ... as bytes: the low 4 bytes of each half
+  const int lo = _mm256_cvtsi256_si32(b), hi = _mm256_extract_epi32(b, 4);
+  std::memcpy(p, &lo, 4);
+  std::memcpy(p + 4, &hi, 4);
 }
 #endif
 
