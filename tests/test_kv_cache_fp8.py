@@ -307,18 +307,22 @@ def test_a_kv_scale_that_is_not_one_number_is_refused(tiny_model_dir, tmp_path):
         tiny_llm(path, kv_cache_dtype="fp8")
 
 
-def test_tp2_with_fp8_cache_and_checkpoint_scales_matches_single_process(tiny_model_dir, tmp_path, monkeypatch):
-    """Each rank quantizes its own KV heads with the layer's scales: tokens and logprobs equal one process's."""
+@pytest.mark.parametrize("parallel,bytes_per_token", [({"tensor_parallel_size": 2}, 3 * 2 * 16),  # 1 of 2 heads
+                                                      ({"pipeline_parallel_size": 2}, 2 * 2 * 2 * 16)])  # 2 of 3 layers
+def test_parallel_fp8_cache_with_checkpoint_scales_matches_single_process(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          parallel, bytes_per_token):
+    """TP=2: each rank quantizes its own KV heads with the layer's scales; PP=2: each stage loads the scales
+    of its own layers. Tokens and logprobs equal one process's."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path = _scaled_checkpoint(tiny_model_dir("llama"), str(tmp_path / "scaled"), 100.0, True)
     prompts = random_prompts(4, 10, 40, 512, seed=11)
     single, _ = _run(path, prompts, kv_cache_dtype="fp8")
-    tp2, llm = _run(path, prompts, kv_cache_dtype="fp8", tensor_parallel_size=2)
-    try:
-        assert llm.llm_engine.kv_cache_dtype == FP8 and llm.llm_engine.kv_plan.bytes_per_token == 3 * 2 * 16
-        for a, b in zip(single, tp2):
+    outs, llm = _run(path, prompts, kv_cache_dtype="fp8", **parallel)
+    try:  # bytes per token of the rank that needs most
+        assert llm.llm_engine.kv_cache_dtype == FP8 and llm.llm_engine.kv_plan.bytes_per_token == bytes_per_token
+        for a, b in zip(single, outs):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert max(_prompt_logprob_gaps(single, tp2)) < 1e-4
+        assert max(_prompt_logprob_gaps(single, outs)) < 1e-4
     finally:
         llm.llm_engine.shutdown()
 
