@@ -32,6 +32,8 @@ class EngineConfig:
     # on CUDA: the share of the GPU's memory the engine may fill (weights, activations, KV cache);
     # sizes the KV cache unless kv_cache_memory_bytes is given. No effect on CPU.
     gpu_memory_utilization: float = 0.9
+    # speculative decoding, vLLM's dict (tidal/spec_decode/config.py); a SpeculativeConfig once validated
+    speculative_config: dict | None = None
     # accepted for compatibility with vLLM scripts; they have no effect
     trust_remote_code: bool = False
     swap_space: float = 0
@@ -64,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet: only 'auto' (the KV "
                              "cache in the model's dtype; bf16 under fp32 activations with bf16 weights)")
         self.device = resolve_device(self.device)
+        from tidal.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
                              f"got {self.distributed_executor_backend!r}")

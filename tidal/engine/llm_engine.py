@@ -17,6 +17,7 @@ from tidal.core.scheduler import Scheduler
 from tidal.core.state_checkpoints import StateCheckpoints
 from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
+from tidal.engine.proposer import NgramProposer
 from tidal.engine.stats import EngineStats
 from tidal.engine.stop_checker import append_tokens
 from tidal.loader import load_model
@@ -25,6 +26,8 @@ from tidal.outputs import RequestOutput
 from tidal.platforms import get_platform
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
+from tidal.spec_decode.config import SpeculativeConfig
+from tidal.spec_decode.policy import DraftPolicy
 from tidal.structured_outputs.manager import StructuredOutputManager
 from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
 from tidal.worker.memory import plan_kv_cache, plan_state_slots
@@ -107,8 +110,12 @@ class LLMEngine:
         self.stats = EngineStats()
         self._next_id = 0
         # speculative decoding: an object with propose(request) -> draft token ids for its next tokens
-        # (tidal/engine/proposer.py); None runs one token per request per step
+        # (tidal/engine/proposer.py); None runs one token per request per step. The draft policy
+        # decides how many of them a step runs (None: all).
         self.proposer = None
+        self.draft_policy: DraftPolicy | None = None
+        if config.speculative_config is not None:
+            self._start_speculation(config.speculative_config)
         logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
                     "tokens = %d tokens (%.1f requests of max_model_len)", time.perf_counter() - t0,
                     self.model_name, str(self.dtype).removeprefix("torch."), config.device, self.max_model_len,
@@ -134,6 +141,20 @@ class LLMEngine:
                         num_slots, state_bytes)
         self.runner.allocate_state(num_slots * (2 if checkpoints else 1))
         return StatePool(num_slots), checkpoints, budget - num_slots * per_slot
+
+    def _start_speculation(self, spec: SpeculativeConfig) -> None:
+        if self.scheduler.state_pool is not None:
+            self.shutdown()
+            raise ValueError("speculative_config: speculative decoding is not supported on models with Mamba "
+                             "layers (a rejected draft would leave the recurrent state advanced past the last "
+                             "accepted token); run this model without speculative_config")
+        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.draft_policy = DraftPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
+                                        disable_by_batch_size=spec.disable_by_batch_size)
+        logger.info("Speculative decoding: %s, up to %d draft tokens per request and step (n-grams of %d-%d "
+                    "tokens), %s", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                    spec.prompt_lookup_max, "as many as pay off by measured acceptance and step cost"
+                    if spec.adaptive else "all found")
 
     def _log_hybrid_plan(self, plan, pool: StatePool) -> None:
         state_bytes = self.runner.state_bytes_per_request()
@@ -268,6 +289,7 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         if self.proposer is not None:
             self._propose_drafts()
         batch = self.scheduler.schedule()
@@ -276,6 +298,8 @@ class LLMEngine:
         self._add_grammar_bitmask(batch)
         result = self.runner.execute(batch)
         appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
+        if self.proposer is not None:
+            self._record_drafts(batch, result.sampled, time.perf_counter() - t0)
         return self._process_outputs(batch, result, appended)
 
     def _wait_for_a_grammar(self) -> None:
@@ -296,14 +320,50 @@ class LLMEngine:
         return kept
 
     def _propose_drafts(self) -> None:
-        """Draft tokens for running requests that are decoding. Not for requests with a grammar (their
-        drafts would need the grammar's state at each draft) nor on models with Mamba layers (a rejected
-        draft would have advanced the recurrent state)."""
-        if self.scheduler.state_pool is not None:
+        """Draft tokens for running requests that are decoding, no more than their max_tokens can use,
+        as many as the draft policy says pay off. Not for requests with a grammar (their drafts would
+        need the grammar's state at each draft) nor on models with Mamba layers (a rejected draft would
+        have advanced the recurrent state)."""
+        scheduler, policy = self.scheduler, self.draft_policy
+        if scheduler.state_pool is not None or (policy is not None and not policy.wants_drafts(scheduler.num_running)):
             return
-        for request in self.scheduler.running:
+        proposals = []
+        for request in scheduler.running:
             if request.structured is None and request.num_computed_tokens == request.num_tokens - 1:
-                request.spec_token_ids = list(self.proposer.propose(request))
+                max_tokens = request.sampling_params.max_tokens
+                room = self.max_model_len if max_tokens is None else max_tokens - request.num_output_tokens - 1
+                drafts = list(self.proposer.propose(request))[:room] if room > 0 else []
+                if drafts:
+                    proposals.append((request, drafts))
+        if not proposals:
+            return
+        if policy is not None:
+            counts = policy.choose(proposals, scheduler.num_running, self._tokens_without_drafts())
+            proposals = [(r, d[:n]) for (r, d), n in zip(proposals, counts)]
+        for request, drafts in proposals:
+            request.spec_token_ids = drafts
+
+    def _tokens_without_drafts(self) -> int:
+        """About how many tokens the next step computes without drafts: what running requests have left
+        to compute, and waiting prompts, up to the token budget."""
+        scheduler = self.scheduler
+        n = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running)
+        if n < self.max_num_batched_tokens and scheduler.num_running < self.config.max_num_seqs:
+            n += sum(r.num_tokens for r in scheduler.waiting)
+        return min(n, self.max_num_batched_tokens)
+
+    def _record_drafts(self, batch, sampled: dict[str, list[int]], seconds: float) -> None:
+        """Acceptance of this step's drafts (stats, the draft policy) and the step's cost."""
+        drafts = []  # (drafts run, drafts accepted) per request that ran any
+        for sr in batch.scheduled:
+            tokens = sampled.get(sr.request_id)
+            if sr.spec_token_ids and tokens:
+                drafts.append((len(sr.spec_token_ids), len(tokens) - 1))
+                if self.draft_policy is not None:  # (a request that finished has no stats to keep)
+                    self.draft_policy.observe_drafts(self.scheduler.requests.get(sr.request_id), *drafts[-1])
+        self.stats.record_drafts(drafts)
+        if self.draft_policy is not None and batch.scheduled:
+            self.draft_policy.observe_step(batch.num_batched_tokens, seconds)
 
     def _add_grammar_bitmask(self, batch) -> None:
         ids, states = [], []

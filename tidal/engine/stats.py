@@ -17,6 +17,14 @@ class EngineStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     finished_reasons: dict = field(default_factory=dict)
+    # speculative decoding (vLLM's spec_decode_* counters): requests x steps that ran drafts, draft
+    # tokens run, draft tokens accepted; and by position (index 0: the first draft) drafts run and
+    # accepted, whose ratio is the acceptance rate by position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_drafted_per_pos: list = field(default_factory=list)
+    spec_accepted_per_pos: list = field(default_factory=list)
     # latency samples since the last drain (seconds)
     ttft: list = field(default_factory=list)
     tpot: list = field(default_factory=list)
@@ -45,6 +53,29 @@ class EngineStats:
             tokens -= (refs - used_blocks) * kv_manager.block_size
             self.kv_util_sum += min(1.0, tokens / (used_blocks * kv_manager.block_size))
             self.kv_util_steps += 1
+
+    def record_drafts(self, drafts: list[tuple[int, int]]) -> None:
+        """One step's (draft tokens run, draft tokens accepted) per request that ran drafts."""
+        for num_drafts, num_accepted in drafts:
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += num_drafts
+            self.spec_num_accepted_tokens += num_accepted
+            grow = num_drafts - len(self.spec_drafted_per_pos)
+            if grow > 0:
+                self.spec_drafted_per_pos.extend([0] * grow)
+                self.spec_accepted_per_pos.extend([0] * grow)
+            for pos in range(num_drafts):
+                self.spec_drafted_per_pos[pos] += 1
+                self.spec_accepted_per_pos[pos] += pos < num_accepted
+
+    @property
+    def spec_acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.spec_accepted_per_pos, self.spec_drafted_per_pos)]
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a request gets per step that ran drafts: 1 + accepted drafts per draft run (as vLLM)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     def record_finished(self, out) -> None:
         for o in out.outputs:

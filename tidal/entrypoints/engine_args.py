@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "checkpoint's own weights (an FP8 checkpoint loads as fp8)")
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (only 'auto': the model's dtype, bf16 "
                    "under fp32 activations with bf16 weights)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative_decoding.md)')
     g.add_argument("--served-model-name", default=None, help="model name in the API (default: derived)")
     _bool_flag(g, "disable-log-stats", False, "do not log periodic engine stats")
     return parser
@@ -62,4 +65,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, disable_log_stats=args.disable_log_stats,
+        speculative_config=args.speculative_config,
     )
