@@ -9,6 +9,9 @@ the /metrics handler renders it from the event loop). Names follow vLLM's, under
     tidal:prompt_tokens_total / generation_tokens_total / num_preemptions_total counters
     tidal:request_success_total{finished_reason}                                 counter
     tidal:prefix_cache_queries_total / prefix_cache_hits_total                   counters (tokens)
+    tidal:spec_decode_num_drafts_total / spec_decode_num_draft_tokens_total /
+    tidal:spec_decode_num_accepted_tokens_total, and
+    tidal:spec_decode_num_accepted_tokens_per_pos_total{position}                  counters (speculative decoding)
     tidal:time_to_first_token_seconds, tidal:inter_token_latency_seconds,
     tidal:time_per_output_token_seconds (per request), tidal:e2e_request_latency_seconds  histograms
 
@@ -16,6 +19,12 @@ Every `log_interval_s` seconds with activity it logs one line like vLLM's:
 
     Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 95.0 tokens/s, Running: 12 reqs,
     Waiting: 0 reqs, KV cache usage: 8.2%, Preemptions: 0, Prefix cache hit rate: 41.0%
+
+and, with speculative decoding, one like vLLM's SpecDecoding line:
+
+    SpecDecoding metrics: Mean acceptance length: 3.41, Accepted throughput: 150.2 tokens/s, Drafted
+    throughput: 210.0 tokens/s, Accepted: 1502 tokens, Drafted: 2100 tokens, Per-position acceptance
+    rate: 0.880, 0.750, 0.610, 0.520, Avg Draft acceptance rate: 71.5%
 """
 from __future__ import annotations
 
@@ -62,6 +71,13 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Requests x steps that ran draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens run.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter("tidal:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft (0: the first).",
+                                     labels + ["position"], registry=r)
+        self._spec_log = (0, 0, 0, [], [])  # spec counters at the last log line
         self._success = Counter("tidal:request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
@@ -94,6 +110,11 @@ class ServerMetrics:
         self._advance(self.preemptions, "preemptions", stats.num_preemptions)
         self._advance(self.prefix_queries, "prefix_queries", stats.prefix_queries)
         self._advance(self.prefix_hits, "prefix_hits", stats.prefix_hits)
+        self._advance(self.spec_drafts, "spec_drafts", stats.spec_num_drafts)
+        self._advance(self.spec_draft_tokens, "spec_draft_tokens", stats.spec_num_draft_tokens)
+        self._advance(self.spec_accepted_tokens, "spec_accepted_tokens", stats.spec_num_accepted_tokens)
+        for pos, count in enumerate(list(stats.spec_accepted_per_pos)):
+            self._advance(self._spec_per_pos.labels(self._model_name, str(pos)), f"spec_pos:{pos}", count)
         for reason, count in list(stats.finished_reasons.items()):
             if reason is not None:
                 self._advance(self._success.labels(self._model_name, reason), f"finished:{reason}", count)
@@ -147,6 +168,26 @@ class ServerMetrics:
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
                     "Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, running, waiting,
                     100 * engine.kv_manager.usage, stats.num_preemptions, 100 * hit_rate)
+        if stats.spec_num_drafts > self._spec_log[0]:
+            self._log_spec(stats, elapsed)
+
+    def _log_spec(self, stats, elapsed: float) -> None:
+        """vLLM's SpecDecoding line, over the drafts since the last one."""
+        drafts, drafted, accepted, drafted_pos, accepted_pos = self._spec_log
+        now = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+               list(stats.spec_drafted_per_pos), list(stats.spec_accepted_per_pos))
+        self._spec_log = now
+        n_drafts, n_drafted, n_accepted = now[0] - drafts, now[1] - drafted, now[2] - accepted
+        per_pos = []
+        for pos, (d, a) in enumerate(zip(now[3], now[4])):
+            d -= drafted_pos[pos] if pos < len(drafted_pos) else 0
+            a -= accepted_pos[pos] if pos < len(accepted_pos) else 0
+            per_pos.append(f"{a / d:.3f}" if d else "-")
+        logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.1f tokens/s, "
+                    "Drafted throughput: %.1f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position "
+                    "acceptance rate: %s, Avg Draft acceptance rate: %.1f%%", 1 + n_accepted / n_drafts,
+                    n_accepted / elapsed, n_drafted / elapsed, n_accepted, n_drafted, ", ".join(per_pos),
+                    100 * n_accepted / n_drafted if n_drafted else 0.0)
 
     # -- the /metrics page (event loop) ----------------------------------------------------------
     def render(self) -> bytes:
