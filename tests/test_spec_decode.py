@@ -5,6 +5,7 @@ preemption and tensor parallelism."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -130,3 +131,18 @@ def test_tensor_parallel_outputs_are_identical_with_speculation(tiny_model_dir, 
         assert llm.llm_engine.stats.spec_num_accepted_tokens > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_bench_throughput_takes_the_speculative_config(tiny_model_dir, tmp_path):
+    from tests.test_cli import tidal_cli
+    out_json = tmp_path / "result.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": false}'
+    proc = tidal_cli("bench", "throughput", "--model", tiny_model_dir("llama"), "--dataset", "random",
+                     "--num-prompts", "4", "--input-len-range", "24", "48", "--output-len-range", "8", "16",
+                     "--kv-cache-memory-bytes", "4194304", "--speculative-config", spec, "--output-json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    tidal = json.loads(out_json.read_text())["tidal"]
+    assert tidal["exact_lengths"] and tidal["spec_draft_tokens"] > 0
+    bad = tidal_cli("bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "1",
+                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')
+    assert bad.returncode != 0 and "speculative_config.num_speculative_tokens" in bad.stderr
