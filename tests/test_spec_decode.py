@@ -97,13 +97,15 @@ ENGINES = {
     "chunked-prefill": {"max_num_batched_tokens": 32},
     "no-prefix-caching": {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
     "preemption": {"max_num_batched_tokens": 32, "kv_cache_memory_bytes": NUM_BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN},
+    # the draft policy deciding per step (the tiny model's steps cost about the same at any size)
+    "adaptive-policy": {"max_num_batched_tokens": 32, "speculative_config": dict(SPEC, adaptive=True)},
 }
 
 
 @pytest.mark.parametrize("engine_kwargs", ENGINES.values(), ids=ENGINES.keys())
 def test_outputs_are_identical_with_speculation(tiny_model_dir, reference, engine_kwargs):
-    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=128, speculative_config=SPEC,
-                   **engine_kwargs)
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=128,
+                   **{"speculative_config": SPEC, **engine_kwargs})
     engine = llm.llm_engine
     outs = _generate(llm, _prompts())
     for i, (got, want) in enumerate(zip(outs, reference, strict=True)):
