@@ -18,6 +18,7 @@ from tidal.spec_decode.config import SpeculativeConfig
 # always run what the proposer finds, so every test exercises drafts whatever the step costs
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
         "adaptive": False}
+DRAFT_SELF = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}
 BLOCK_SIZE = 4
 MAX_TOKENS = 24
 BYTES_PER_TOKEN = 3 * 2 * 2 * 16 * 4  # the tiny llama: layers x (K, V) x kv heads x head_dim x fp32
@@ -35,7 +36,11 @@ NUM_BLOCKS = 40
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "speculative_config.adaptive"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown field.*lookahead"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int3"},
+     "speculative_config.quantization"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "hf_overrides": {"num_hidden_layers": 0}},
+     "speculative_config.hf_overrides.num_hidden_layers"),
     ("{not json", "speculative_config is not valid JSON"),
     (["ngram"], "speculative_config must be a dict"),
 ])
@@ -99,6 +104,12 @@ ENGINES = {
     "preemption": {"max_num_batched_tokens": 32, "kv_cache_memory_bytes": NUM_BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN},
     # the draft policy deciding per step (the tiny model's steps cost about the same at any size)
     "adaptive-policy": {"max_num_batched_tokens": 32, "speculative_config": dict(SPEC, adaptive=True)},
+    # a draft model: the target's own checkpoint (its drafts are the target's argmax), under preemption
+    "draft-model-self": {"max_num_batched_tokens": 32, "speculative_config": DRAFT_SELF,
+                         "kv_cache_memory_bytes": NUM_BLOCKS * BLOCK_SIZE * BYTES_PER_TOKEN},
+    # its first layer with the shared embedding and head: drafts partly right
+    "draft-model-first-layer": {"max_num_batched_tokens": 32, "speculative_config": dict(
+        DRAFT_SELF, hf_overrides={"num_hidden_layers": 1})},
 }
 
 
@@ -118,6 +129,16 @@ def test_outputs_are_identical_with_speculation(tiny_model_dir, reference, engin
     assert sum(o.metrics.num_accepted_tokens for o in outs) == stats.spec_num_accepted_tokens
     if "kv_cache_memory_bytes" in engine_kwargs:
         assert engine.scheduler.num_preemptions > 0
+    if engine_kwargs.get("speculative_config") is DRAFT_SELF:  # plain greedy requests: drafts are their argmax
+        greedy = [o.metrics for i, o in enumerate(outs) if i % len(_prompts()) % 4 in (0, 3)]
+        assert sum(m.num_accepted_tokens for m in greedy) >= 0.9 * sum(m.num_draft_tokens for m in greedy) > 0
+    proposer = engine.proposer
+    if hasattr(proposer, "kv"):  # the draft's cache: every mirror dropped once its request finished
+        if "kv_cache_memory_bytes" not in engine_kwargs:  # the second copy of each prompt hits its prefix cache
+            assert proposer.kv.prefix_hits > 0
+        proposer.propose_batch([], set())
+        proposer.kv.pool.check_invariants()
+        assert proposer.kv.pool.num_free_blocks == proposer.kv.pool.num_blocks
     if engine_kwargs.get("enable_prefix_caching", True):
         assert engine.stats.prefix_hits > 0
     assert_engine_idle(engine)

@@ -148,13 +148,33 @@ class LLMEngine:
             raise ValueError("speculative_config: speculative decoding is not supported on models with Mamba "
                              "layers (a rejected draft would leave the recurrent state advanced past the last "
                              "accepted token); run this model without speculative_config")
-        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "draft_model":
+            self.proposer = self._load_draft_model(spec)
+            what = f"draft model {spec.model or 'the target'}"
+        else:
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            what = f"n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
         self.draft_policy = DraftPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
                                         disable_by_batch_size=spec.disable_by_batch_size)
-        logger.info("Speculative decoding: %s, up to %d draft tokens per request and step (n-grams of %d-%d "
-                    "tokens), %s", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
-                    spec.prompt_lookup_max, "as many as pay off by measured acceptance and step cost"
+        logger.info("Speculative decoding: %s, up to %d draft tokens per request and step (%s), %s", spec.method,
+                    spec.num_speculative_tokens, what, "as many as pay off by measured acceptance and step cost"
                     if spec.adaptive else "all found")
+
+    def _load_draft_model(self, spec: SpeculativeConfig):
+        from tidal.spec_decode.draft_model import DraftModelProposer
+        try:
+            loaded = load_model(spec.model or self.config.model, self.config.dtype, config_overrides=spec.hf_overrides,
+                                quantization=spec.quantization, device=self.config.device)
+        except ValueError as e:
+            self.shutdown()
+            raise ValueError(f"speculative_config.model: {e}") from None
+        if loaded.config.vocab_size != self.vocab_size:
+            self.shutdown()
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({loaded.config.vocab_size} tokens) "
+                             f"is not the target's ({self.vocab_size}): it must share the target's tokenizer")
+        return DraftModelProposer(loaded, spec.num_speculative_tokens, self.config.block_size, self.max_model_len,
+                                  self.config.max_num_seqs, self.max_num_batched_tokens, self.kv_plan.num_tokens,
+                                  self.config.seed)
 
     def _log_hybrid_plan(self, plan, pool: StatePool) -> None:
         state_bytes = self.runner.state_bytes_per_request()
@@ -327,21 +347,28 @@ class LLMEngine:
         scheduler, policy = self.scheduler, self.draft_policy
         if scheduler.state_pool is not None or (policy is not None and not policy.wants_drafts(scheduler.num_running)):
             return
+        batched = hasattr(self.proposer, "propose_batch")  # a draft model: decide first, then draft
         proposals = []
         for request in scheduler.running:
             if request.structured is None and request.num_computed_tokens == request.num_tokens - 1:
                 max_tokens = request.sampling_params.max_tokens
                 room = self.max_model_len if max_tokens is None else max_tokens - request.num_output_tokens - 1
-                drafts = list(self.proposer.propose(request))[:room] if room > 0 else []
+                if room <= 0:
+                    continue
+                drafts = [0] * min(room, self.proposer.k) if batched else list(self.proposer.propose(request))[:room]
                 if drafts:
                     proposals.append((request, drafts))
         if not proposals:
             return
+        counts = [len(d) for _, d in proposals]
         if policy is not None:
             counts = policy.choose(proposals, scheduler.num_running, self._tokens_without_drafts())
-            proposals = [(r, d[:n]) for (r, d), n in zip(proposals, counts)]
-        for request, drafts in proposals:
-            request.spec_token_ids = drafts
+        if batched:
+            wanted = [(r, n) for (r, _), n in zip(proposals, counts) if n]
+            proposals = list(zip([r for r, _ in wanted], self.proposer.propose_batch(wanted, scheduler.requests)))
+            counts = [len(d) for _, d in proposals]
+        for (request, drafts), n in zip(proposals, counts):
+            request.spec_token_ids = drafts[:n]
 
     def _tokens_without_drafts(self) -> int:
         """About how many tokens the next step computes without drafts: what running requests have left

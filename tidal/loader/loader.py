@@ -188,6 +188,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     if is_gguf:
         path = gguf_loader.cached_conversion(path)
     config = load_config(path)
+    for key, value in (config_overrides or {}).items():  # e.g. a draft model of the first layers
+        setattr(config, key, value)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
     torch_dtype, weight_dtype = resolve_dtypes(dtype, config, device, checkpoint_fp32=False if is_gguf else None)
     _log_dtype_choice(dtype, torch_dtype, weight_dtype, device)
@@ -195,6 +197,9 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant) if quant else model_cls(config, dtype=torch_dtype)
     weights = iterate_safetensors(path, torch_dtype)
+    if "num_hidden_layers" in (config_overrides or {}):  # fewer layers than the checkpoint: its first ones
+        weights = ((n, t) for n, t in weights
+                   if not n.startswith("model.layers.") or int(n.split(".")[2]) < config.num_hidden_layers)
     net.load_weights(weights)
     net.eval()
     if quant is not None and quant.embedding_format is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -29,14 +29,17 @@ class SpeculativeConfig:
     # no drafts at all while this many requests or more are running (vLLM's
     # speculative_disable_by_batch_size); None: the adaptive policy alone decides
     disable_by_batch_size: int | None = None
-    model: str | None = None  # the draft model of method "draft_model" (not implemented yet)
+    # method "draft_model": a smaller model with the target's tokenizer (None: the target's own checkpoint,
+    # made smaller by quantization and/or hf_overrides such as {"num_hidden_layers": 8}: its first layers
+    # with the shared embedding and head)
+    model: str | None = None
+    quantization: str | None = None
+    hf_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         def fail(name, value, allowed):
             raise ValueError(f"speculative_config.{name} must be {allowed}, got {value!r}")
 
-        if self.method == "draft_model" or self.model is not None:
-            raise ValueError("speculative_config.method 'draft_model' is not supported yet: use \"ngram\"")
         if self.method not in METHODS:
             fail("method", self.method, f"one of {', '.join(repr(m) for m in METHODS)}")
 
@@ -62,6 +65,21 @@ class SpeculativeConfig:
             fail("adaptive", self.adaptive, "true or false")
         if self.disable_by_batch_size is not None:
             positive("disable_by_batch_size", self.disable_by_batch_size)
+        if self.method != "draft_model":
+            for name in ("model", "quantization", "hf_overrides"):
+                if getattr(self, name) is not None:
+                    fail(name, getattr(self, name), "unset unless method is 'draft_model'")
+            return
+        if self.model is not None and not isinstance(self.model, str):
+            fail("model", self.model, "a path (string)")
+        from tidal.layers.quantization import QUANTIZATION_METHODS
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            fail("quantization", self.quantization, f"one of {', '.join(QUANTIZATION_METHODS)}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            fail("hf_overrides", self.hf_overrides, "a dict of config fields")
+        layers = (self.hf_overrides or {}).get("num_hidden_layers")
+        if layers is not None:
+            positive("hf_overrides.num_hidden_layers", layers)
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
