@@ -77,9 +77,9 @@ def _prompts() -> list[list[int]]:
 
 def _params(i: int) -> SamplingParams:
     kind = i % 4
-    if kind == 1:  # seeded random sampling with the full set of filters
+    if kind == 1:  # seeded random sampling with the full set of filters, two samples
         return SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, seed=7 + i, max_tokens=MAX_TOKENS,
-                              ignore_eos=True)
+                              ignore_eos=True, n=2)
     if kind == 2:  # penalties see the drafts before each row as outputs
         return SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=MAX_TOKENS,
                               ignore_eos=True, logprobs=2)
@@ -120,7 +120,7 @@ def test_outputs_are_identical_with_speculation(tiny_model_dir, reference, engin
     engine = llm.llm_engine
     outs = _generate(llm, _prompts())
     for i, (got, want) in enumerate(zip(outs, reference, strict=True)):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids, f"request {i} changed"
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], f"request {i} changed"
         if want.outputs[0].logprobs:
             assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
     stats = engine.stats
@@ -150,7 +150,7 @@ def test_tensor_parallel_outputs_are_identical_with_speculation(tiny_model_dir, 
                    tensor_parallel_size=2, max_num_batched_tokens=32)
     try:
         outs = _generate(llm, _prompts())
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in reference]
         assert llm.llm_engine.stats.spec_num_accepted_tokens > 0
     finally:
         llm.llm_engine.shutdown()
