@@ -17,7 +17,6 @@ from tidal.core.scheduler import Scheduler
 from tidal.core.state_checkpoints import StateCheckpoints
 from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
-from tidal.engine.proposer import NgramProposer
 from tidal.engine.stats import EngineStats
 from tidal.engine.stop_checker import append_tokens
 from tidal.loader import load_model
@@ -26,7 +25,7 @@ from tidal.outputs import RequestOutput
 from tidal.platforms import get_platform
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
-from tidal.spec_decode.config import SpeculativeConfig
+from tidal.spec_decode import speculation
 from tidal.spec_decode.policy import DraftPolicy
 from tidal.structured_outputs.manager import StructuredOutputManager
 from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
@@ -115,7 +114,11 @@ class LLMEngine:
         self.proposer = None
         self.draft_policy: DraftPolicy | None = None
         if config.speculative_config is not None:
-            self._start_speculation(config.speculative_config)
+            try:
+                self.proposer, self.draft_policy = speculation.start(config.speculative_config, self)
+            except ValueError:
+                self.shutdown()
+                raise
         logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %.1f MiB = %d blocks of %d "
                     "tokens = %d tokens (%.1f requests of max_model_len)", time.perf_counter() - t0,
                     self.model_name, str(self.dtype).removeprefix("torch."), config.device, self.max_model_len,
@@ -141,40 +144,6 @@ class LLMEngine:
                         num_slots, state_bytes)
         self.runner.allocate_state(num_slots * (2 if checkpoints else 1))
         return StatePool(num_slots), checkpoints, budget - num_slots * per_slot
-
-    def _start_speculation(self, spec: SpeculativeConfig) -> None:
-        if self.scheduler.state_pool is not None:
-            self.shutdown()
-            raise ValueError("speculative_config: speculative decoding is not supported on models with Mamba "
-                             "layers (a rejected draft would leave the recurrent state advanced past the last "
-                             "accepted token); run this model without speculative_config")
-        if spec.method == "draft_model":
-            self.proposer = self._load_draft_model(spec)
-            what = f"draft model {spec.model or 'the target'}"
-        else:
-            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            what = f"n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
-        self.draft_policy = DraftPolicy(spec.num_speculative_tokens, adaptive=spec.adaptive,
-                                        disable_by_batch_size=spec.disable_by_batch_size)
-        logger.info("Speculative decoding: %s, up to %d draft tokens per request and step (%s), %s", spec.method,
-                    spec.num_speculative_tokens, what, "as many as pay off by measured acceptance and step cost"
-                    if spec.adaptive else "all found")
-
-    def _load_draft_model(self, spec: SpeculativeConfig):
-        from tidal.spec_decode.draft_model import DraftModelProposer
-        try:
-            loaded = load_model(spec.model or self.config.model, self.config.dtype, config_overrides=spec.hf_overrides,
-                                quantization=spec.quantization, device=self.config.device)
-        except ValueError as e:
-            self.shutdown()
-            raise ValueError(f"speculative_config.model: {e}") from None
-        if loaded.config.vocab_size != self.vocab_size:
-            self.shutdown()
-            raise ValueError(f"speculative_config.model: the draft's vocabulary ({loaded.config.vocab_size} tokens) "
-                             f"is not the target's ({self.vocab_size}): it must share the target's tokenizer")
-        return DraftModelProposer(loaded, spec.num_speculative_tokens, self.config.block_size, self.max_model_len,
-                                  self.config.max_num_seqs, self.max_num_batched_tokens, self.kv_plan.num_tokens,
-                                  self.config.seed)
 
     def _log_hybrid_plan(self, plan, pool: StatePool) -> None:
         state_bytes = self.runner.state_bytes_per_request()
@@ -311,7 +280,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self.proposer is not None:
-            self._propose_drafts()
+            speculation.propose_drafts(self)
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             self._wait_for_a_grammar()
@@ -319,7 +288,7 @@ class LLMEngine:
         result = self.runner.execute(batch)
         appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
         if self.proposer is not None:
-            self._record_drafts(batch, result.sampled, time.perf_counter() - t0)
+            speculation.record_drafts(self, batch, result.sampled, time.perf_counter() - t0)
         return self._process_outputs(batch, result, appended)
 
     def _wait_for_a_grammar(self) -> None:
@@ -338,59 +307,6 @@ class LLMEngine:
             for token in kept:
                 self.structured.accept(request.request_id, request.structured, token)
         return kept
-
-    def _propose_drafts(self) -> None:
-        """Draft tokens for running requests that are decoding, no more than their max_tokens can use,
-        as many as the draft policy says pay off. Not for requests with a grammar (their drafts would
-        need the grammar's state at each draft) nor on models with Mamba layers (a rejected draft would
-        have advanced the recurrent state)."""
-        scheduler, policy = self.scheduler, self.draft_policy
-        if scheduler.state_pool is not None or (policy is not None and not policy.wants_drafts(scheduler.num_running)):
-            return
-        batched = hasattr(self.proposer, "propose_batch")  # a draft model: decide first, then draft
-        proposals = []
-        for request in scheduler.running:
-            if request.structured is None and request.num_computed_tokens == request.num_tokens - 1:
-                max_tokens = request.sampling_params.max_tokens
-                room = self.max_model_len if max_tokens is None else max_tokens - request.num_output_tokens - 1
-                if room <= 0:
-                    continue
-                drafts = [0] * min(room, self.proposer.k) if batched else list(self.proposer.propose(request))[:room]
-                if drafts:
-                    proposals.append((request, drafts))
-        if not proposals:
-            return
-        counts = [len(d) for _, d in proposals]
-        if policy is not None:
-            counts = policy.choose(proposals, scheduler.num_running, self._tokens_without_drafts())
-        if batched:
-            wanted = [(r, n) for (r, _), n in zip(proposals, counts) if n]
-            proposals = list(zip([r for r, _ in wanted], self.proposer.propose_batch(wanted, scheduler.requests)))
-            counts = [len(d) for _, d in proposals]
-        for (request, drafts), n in zip(proposals, counts):
-            request.spec_token_ids = drafts[:n]
-
-    def _tokens_without_drafts(self) -> int:
-        """About how many tokens the next step computes without drafts: what running requests have left
-        to compute, and waiting prompts, up to the token budget."""
-        scheduler = self.scheduler
-        n = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running)
-        if n < self.max_num_batched_tokens and scheduler.num_running < self.config.max_num_seqs:
-            n += sum(r.num_tokens for r in scheduler.waiting)
-        return min(n, self.max_num_batched_tokens)
-
-    def _record_drafts(self, batch, sampled: dict[str, list[int]], seconds: float) -> None:
-        """Acceptance of this step's drafts (stats, the draft policy) and the step's cost."""
-        drafts = []  # (drafts run, drafts accepted) per request that ran any
-        for sr in batch.scheduled:
-            tokens = sampled.get(sr.request_id)
-            if sr.spec_token_ids and tokens:
-                drafts.append((len(sr.spec_token_ids), len(tokens) - 1))
-                if self.draft_policy is not None:  # (a request that finished has no stats to keep)
-                    self.draft_policy.observe_drafts(self.scheduler.requests.get(sr.request_id), *drafts[-1])
-        self.stats.record_drafts(drafts)
-        if self.draft_policy is not None and batch.scheduled:
-            self.draft_policy.observe_step(batch.num_batched_tokens, seconds)
 
     def _add_grammar_bitmask(self, batch) -> None:
         ids, states = [], []
