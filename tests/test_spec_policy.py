@@ -104,7 +104,7 @@ def test_metrics_page_and_log_line_carry_the_spec_decode_counters(caplog):
     metrics = ServerMetrics("m", log_stats=True, log_interval_s=0)
     stats.num_generation_tokens = 9
     stats.record_drafts([(4, 4), (4, 1)])
-    with caplog.at_level(logging.INFO, logger="tidal.metrics"):
+    with caplog.at_level(logging.INFO, logger="tidal.engine.stats"):
         metrics(engine)
     page = metrics.render().decode()
     assert 'tidal:spec_decode_num_drafts_total{model_name="m"} 2.0' in page

@@ -20,11 +20,7 @@ Every `log_interval_s` seconds with activity it logs one line like vLLM's:
     Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 95.0 tokens/s, Running: 12 reqs,
     Waiting: 0 reqs, KV cache usage: 8.2%, Preemptions: 0, Prefix cache hit rate: 41.0%
 
-and, with speculative decoding, one like vLLM's SpecDecoding line:
-
-    SpecDecoding metrics: Mean acceptance length: 3.41, Accepted throughput: 150.2 tokens/s, Drafted
-    throughput: 210.0 tokens/s, Accepted: 1502 tokens, Drafted: 2100 tokens, Per-position acceptance
-    rate: 0.880, 0.750, 0.610, 0.520, Avg Draft acceptance rate: 71.5%
+and, with speculative decoding, vLLM's SpecDecoding line (SpecDecodingLog in tidal/engine/stats.py).
 """
 from __future__ import annotations
 
@@ -32,6 +28,8 @@ import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tidal.engine.stats import SpecDecodingLog
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +75,7 @@ class ServerMetrics:
         self._spec_per_pos = Counter("tidal:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft (0: the first).",
                                      labels + ["position"], registry=r)
-        self._spec_log = (0, 0, 0, [], [])  # spec counters at the last log line
+        self._spec_log = SpecDecodingLog()
         self._success = Counter("tidal:request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
@@ -168,26 +166,7 @@ class ServerMetrics:
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
                     "Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, running, waiting,
                     100 * engine.kv_manager.usage, stats.num_preemptions, 100 * hit_rate)
-        if stats.spec_num_drafts > self._spec_log[0]:
-            self._log_spec(stats, elapsed)
-
-    def _log_spec(self, stats, elapsed: float) -> None:
-        """vLLM's SpecDecoding line, over the drafts since the last one."""
-        drafts, drafted, accepted, drafted_pos, accepted_pos = self._spec_log
-        now = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
-               list(stats.spec_drafted_per_pos), list(stats.spec_accepted_per_pos))
-        self._spec_log = now
-        n_drafts, n_drafted, n_accepted = now[0] - drafts, now[1] - drafted, now[2] - accepted
-        per_pos = []
-        for pos, (d, a) in enumerate(zip(now[3], now[4])):
-            d -= drafted_pos[pos] if pos < len(drafted_pos) else 0
-            a -= accepted_pos[pos] if pos < len(accepted_pos) else 0
-            per_pos.append(f"{a / d:.3f}" if d else "-")
-        logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.1f tokens/s, "
-                    "Drafted throughput: %.1f tokens/s, Accepted: %d tokens, Drafted: %d tokens, Per-position "
-                    "acceptance rate: %s, Avg Draft acceptance rate: %.1f%%", 1 + n_accepted / n_drafts,
-                    n_accepted / elapsed, n_drafted / elapsed, n_accepted, n_drafted, ", ".join(per_pos),
-                    100 * n_accepted / n_drafted if n_drafted else 0.0)
+        self._spec_log.maybe_log(stats, elapsed)
 
     # -- the /metrics page (event loop) ----------------------------------------------------------
     def render(self) -> bytes:
