@@ -169,3 +169,36 @@ def test_bench_throughput_takes_the_speculative_config(tiny_model_dir, tmp_path)
     bad = tidal_cli("bench", "throughput", "--model", tiny_model_dir("llama"), "--num-prompts", "1",
                     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')
     assert bad.returncode != 0 and "speculative_config.num_speculative_tokens" in bad.stderr
+
+
+def test_draft_models_that_cannot_serve_are_refused_naming_the_field(tiny_model_dir, tmp_path):
+    target = tiny_model_dir("llama")
+    other_vocab = tiny_model_dir("llama", vocab_size=256)
+    for model, why in ((other_vocab, "vocabulary"), (str(tmp_path / "missing"), "does not exist")):
+        with pytest.raises(ValueError, match=f"speculative_config.model: .*{why}"):
+            tiny_llm(target, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_draft_model_catch_up_is_the_tokens_the_draft_has_not_seen(tiny_model_dir, num_drafts):
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=128,
+                   speculative_config=dict(DRAFT_SELF, num_speculative_tokens=num_drafts))
+    proposer = llm.llm_engine.proposer
+    computed = []
+    execute = proposer.runner.execute
+
+    def spy(so):
+        computed.append(sum(sr.num_tokens for sr in so.scheduled))
+        return execute(so)
+
+    proposer.runner.execute = spy
+    (out,) = llm.generate([{"prompt_token_ids": _prompts()[0]}], SamplingParams(temperature=0, max_tokens=13,
+                                                                                ignore_eos=True), use_tqdm=False)
+    stats = llm.llm_engine.stats
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0, "its own argmax: all accepted"
+    # the first forward takes the prompt and the first token; afterwards the last draft (whose KV the
+    # draft never computes) and the target's bonus token, then one token per further draft: every
+    # position is computed once, the accepted drafts' KV kept
+    prompt_len = len(_prompts()[0])
+    assert computed[0] == prompt_len + 1 and max(computed[1:]) == 2
+    assert sum(computed) <= prompt_len + len(out.outputs[0].token_ids) + num_drafts
