@@ -141,6 +141,8 @@ class WorkerMirror:
             if sr.new is not None:
                 self.tokens[sr.request_id], self.blocks[sr.request_id] = [], []
             assert sr.request_id in self.tokens, f"{sr.request_id} scheduled as running but never sent whole"
+            if sr.num_rolled_back_blocks:
+                del self.blocks[sr.request_id][-sr.num_rolled_back_blocks:]
             self.tokens[sr.request_id] += sr.new_token_ids
             self.blocks[sr.request_id] += sr.new_block_ids
 

@@ -43,6 +43,8 @@ class EngineConfig:
     # on CUDA: the share of the GPU's memory the engine may fill (weights, activations, KV cache);
     # sizes the KV cache unless kv_cache_memory_bytes is given. No effect on CPU (a warning says so).
     gpu_memory_utilization: float = 0.9
+    # speculative decoding, vLLM's dict (tidal/spec_decode/config.py); a SpeculativeConfig once validated
+    speculative_config: dict | None = None
     # Tidal never runs code from a checkpoint (its own implementations of the supported architectures
     # load the weights), so True is harmless: it is accepted with one log line saying so
     trust_remote_code: bool = False
@@ -85,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"tokenizer must be a path (a directory with tokenizer files or a .gguf file), "
                              f"got {self.tokenizer!r}")
         self.device = resolve_device(self.device)
+        from tidal.spec_decode.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
                              f"got {self.distributed_executor_backend!r}")

@@ -9,6 +9,9 @@ the /metrics handler renders it from the event loop). Names follow vLLM's, under
     tidal:prompt_tokens_total / generation_tokens_total / num_preemptions_total counters
     tidal:request_success_total{finished_reason}                                 counter
     tidal:prefix_cache_queries_total / prefix_cache_hits_total                   counters (tokens)
+    tidal:spec_decode_num_drafts_total / spec_decode_num_draft_tokens_total /
+    tidal:spec_decode_num_accepted_tokens_total, and
+    tidal:spec_decode_num_accepted_tokens_per_pos_total{position}                  counters (speculative decoding)
     tidal:time_to_first_token_seconds, tidal:inter_token_latency_seconds,
     tidal:time_per_output_token_seconds (per request), tidal:e2e_request_latency_seconds  histograms
 
@@ -55,6 +58,12 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Requests x steps that ran draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens run.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter("tidal:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft (0: the first).",
+                                     labels + ["position"], registry=r)
         self._success = Counter("tidal:request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
         self._model_name = model_name
@@ -85,6 +94,11 @@ class ServerMetrics:
         self._advance(self.preemptions, "preemptions", stats.num_preemptions)
         self._advance(self.prefix_queries, "prefix_queries", stats.prefix_queries)
         self._advance(self.prefix_hits, "prefix_hits", stats.prefix_hits)
+        self._advance(self.spec_drafts, "spec_drafts", stats.spec_num_drafts)
+        self._advance(self.spec_draft_tokens, "spec_draft_tokens", stats.spec_num_draft_tokens)
+        self._advance(self.spec_accepted_tokens, "spec_accepted_tokens", stats.spec_num_accepted_tokens)
+        for pos, count in enumerate(list(stats.spec_accepted_per_pos)):
+            self._advance(self._spec_per_pos.labels(self._model_name, str(pos)), f"spec_pos:{pos}", count)
         for reason, count in list(stats.finished_reasons.items()):
             if reason is not None:
                 self._advance(self._success.labels(self._model_name, reason), f"finished:{reason}", count)

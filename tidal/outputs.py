@@ -25,6 +25,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_generation_tokens: int = 0  # of the longest sample (whatever a delta output carries)
+    # speculative decoding, over all samples: draft tokens run and draft tokens accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -53,6 +53,11 @@ class Request:
         # draft tokens proposed for the next step (speculative decoding): computed after the known tokens,
         # kept only as far as the model agrees; the scheduler hands them to the step that runs them
         self.spec_token_ids: list[int] = []
+        self.proposer_state = None  # the proposer's memo for this request (e.g. its n-gram index)
+        self.proposer_stats = None  # its drafts' measured acceptance (tidal/spec_decode/policy.py)
+        # speculative decoding counters: draft tokens run for it, and how many of them it kept
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

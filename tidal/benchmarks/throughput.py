@@ -156,6 +156,7 @@ def run_tidal(llm, requests: list[dict], warmup: list[dict], runs: int = 1, deto
         # EngineStats accumulates over the engine's life: take differences around the timed call.
         util0, steps0, pre0 = stats.kv_util_sum, stats.kv_util_steps, stats.num_preemptions
         hits0, queries0 = stats.prefix_hits, stats.prefix_queries
+        drafted0, accepted0 = stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=progress)
         elapsed = time.perf_counter() - t0
@@ -184,6 +185,8 @@ def run_tidal(llm, requests: list[dict], warmup: list[dict], runs: int = 1, deto
             "prefix_cache_hit_rate": (stats.prefix_hits - hits0) / queries if queries else 0.0,
             "mean_ttft_s": sum(ttft) / len(ttft) if ttft else None,
             "mean_tpot_s": sum(tpot) / len(tpot) if tpot else None,
+            "spec_draft_tokens": stats.spec_num_draft_tokens - drafted0,  # speculative decoding
+            "spec_accepted_tokens": stats.spec_num_accepted_tokens - accepted0,
         })
     best = max(results, key=lambda r: r["output_tokens_per_s"])
     return dict(best, runs=[{k: r[k] for k in ("elapsed_s", "output_tokens_per_s")} for r in results])
@@ -284,6 +287,9 @@ def _print_report(tidal: dict, hf: dict | None, dtype: str, machine: dict, out=s
     if tidal["num_requests"] == 1 and tidal["mean_tpot_s"] is not None:
         p(f"Time per output token: {1000 * tidal['mean_tpot_s']:.2f} ms; time to first token: "
           f"{1000 * tidal['mean_ttft_s']:.1f} ms")
+    if tidal.get("spec_draft_tokens"):
+        p(f"Speculative decoding: {tidal['spec_accepted_tokens']} of {tidal['spec_draft_tokens']} draft tokens "
+          f"accepted ({100 * tidal['spec_accepted_tokens'] / tidal['spec_draft_tokens']:.1f}%)")
     if not tidal["exact_lengths"]:
         p("WARNING: some requests did not produce exactly max_tokens tokens")
     if hf is not None:

@@ -101,14 +101,18 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks_in_eviction_order) -> None:
+    def free_blocks(self, blocks_in_eviction_order, to_front: bool = False) -> None:
         """Drop one reference from each block; unreferenced blocks join the back of the LRU queue
-        in the order given (callers pass a request's blocks last-first, so its tail goes first)."""
+        in the order given (callers pass a request's blocks last-first, so its tail goes first).
+        to_front: each joins the front instead (blocks with nothing worth keeping, handed out first;
+        given last-first, they come back in the order they were taken)."""
         for block in blocks_in_eviction_order:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"double free of block {block.block_id}"
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+                if to_front:
+                    self.free_queue.move_to_end(block.block_id, last=False)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
         """Enter a full, referenced block into the hash table. Returns False (and leaves the block

@@ -136,6 +136,20 @@ class KVCacheManager:
         if request.is_finished:
             self.req_to_hashes.pop(request.request_id, None)
 
+    def free_tail(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past those its first num_tokens tokens need (blocks that held
+        only rejected draft tokens), to the front of the free queue: nothing worth keeping is in them.
+        Returns how many."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert all(b.block_hash is None for b in tail), "a block holding drafts entered the prefix cache"
+        self.pool.free_blocks(reversed(tail), to_front=True)
+        return len(tail)
+
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block ids from its start-th block on (start > 0: only those added since)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]

@@ -51,6 +51,9 @@ class ScheduledRequest:
     new_block_ids: list[int] = field(default_factory=list)   # appended to the workers' block table first
     new: NewRequestData | None = None  # set when the workers do not hold the request yet
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens, the last len() of num_tokens
+    # blocks the workers drop from the end of their block table before new_block_ids are appended:
+    # blocks that held only rejected drafts, returned to the pool (see Scheduler.update)
+    num_rolled_back_blocks: int = 0
     state_restore_from: int | None = None  # copy this Mamba state checkpoint into the request's slot first
     state_checkpoint: tuple[int, int] | None = None  # (after how many of this step's tokens, into which index)
 
@@ -90,6 +93,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # per request the workers hold: (tokens, blocks) they have been sent
         self._sent: dict[str, tuple[int, int]] = {}
+        # per request: blocks freed after rejected drafts that its workers still list
+        self._rolled_back: dict[str, int] = {}
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------------
@@ -115,6 +120,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._sent.pop(request.request_id, None)
+        self._rolled_back.pop(request.request_id, None)
         self.kv.free(request)
         if request.state_slot is not None:
             self.state_pool.free(request.state_slot)
@@ -139,6 +145,9 @@ class Scheduler:
             if request.spec_token_ids and num_known == request.num_tokens - request.num_computed_tokens:
                 num_spec = max(0, min(len(request.spec_token_ids), budget - num_known,
                                       self.max_model_len - request.num_tokens))
+            if num_spec and self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_spec) is None:
+                num_spec = 0  # drafts never cost a preemption: run without them instead (a second
+                # call for slots already held allocates nothing)
             while self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_spec) is None:
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -219,6 +228,7 @@ class Scheduler:
             new_block_ids=self.kv.get_block_ids(rid, sent[1]),
             new=new,
             spec_token_ids=spec,
+            num_rolled_back_blocks=self._rolled_back.pop(rid, 0) if new is None else 0,
             state_restore_from=self._state_restores.pop(rid, None),
             state_checkpoint=self._state_checkpoint(request, num_new),
         )
@@ -240,6 +250,18 @@ class Scheduler:
         index = self.state_checkpoints.reserve(hashes[boundary // bs - 1],
                                                owner=request.request_id if decode else None)
         return None if index is None else (boundary - start, index)
+
+    def _roll_back(self, request: Request) -> None:
+        """After rejected drafts: return the blocks past the request's computed tokens (they held only
+        rejected drafts' KV, never entered the prefix cache) to the front of the free queue, so the
+        pool and the block table are those of a step that never proposed them. Its workers drop
+        them from their table at its next step (ScheduledRequest.num_rolled_back_blocks)."""
+        rid = request.request_id
+        freed = self.kv.free_tail(request, request.num_computed_tokens)
+        if freed:
+            tokens, blocks = self._sent[rid]
+            self._sent[rid] = (tokens, blocks - freed)
+            self._rolled_back[rid] = self._rolled_back.get(rid, 0) + freed
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
@@ -270,12 +292,17 @@ class Scheduler:
             request.num_computed_tokens += sr.num_tokens - rejected
             if not token_ids:
                 continue
+            if sr.spec_token_ids:
+                request.num_draft_tokens += len(sr.spec_token_ids)
+                request.num_accepted_tokens += len(sr.spec_token_ids) - rejected
             kept = append(request, token_ids)
             if request.is_finished:
                 self.running.remove(request)
                 del self.requests[request.request_id]
                 self._release(request)
                 self._finished_ids.append(request.request_id)
+            elif rejected:
+                self._roll_back(request)
             updated.append((request, kept))
         return updated
 

@@ -26,6 +26,8 @@ from tidal.outputs import RequestOutput
 from tidal.platforms import get_platform
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
+from tidal.spec_decode import speculation
+from tidal.spec_decode.policy import DraftPolicy
 from tidal.structured_outputs.manager import StructuredOutputManager
 from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
 from tidal.worker.memory import plan_kv_cache, plan_state_slots
@@ -112,8 +114,16 @@ class LLMEngine:
         self.stats_logger = None if config.disable_log_stats else StatsLogger()
         self._next_id = 0
         # speculative decoding: an object with propose(request) -> draft token ids for its next tokens
-        # (tidal/engine/proposer.py); None runs one token per request per step
+        # (tidal/engine/proposer.py); None runs one token per request per step. The draft policy
+        # decides how many of them a step runs (None: all).
         self.proposer = None
+        self.draft_policy: DraftPolicy | None = None
+        if config.speculative_config is not None:
+            try:
+                self.proposer, self.draft_policy = speculation.start(config.speculative_config, self)
+            except ValueError:
+                self.shutdown()
+                raise
         logger.info("Engine ready in %.1f s: %s, %s on %s, max_model_len %d, KV cache %s at %d bytes per token: "
                     "%.1f MiB = %d blocks of %d tokens = %d tokens (%.1f requests of max_model_len)",
                     time.perf_counter() - t0, self.model_name, str(self.dtype).removeprefix("torch."), config.device,
@@ -298,14 +308,17 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         if self.proposer is not None:
-            self._propose_drafts()
+            speculation.propose_drafts(self)
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             self._wait_for_a_grammar()
         self._add_grammar_bitmask(batch)
         result = self.runner.execute(batch)
         appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
+        if self.proposer is not None:
+            speculation.record_drafts(self, batch, result.sampled, time.perf_counter() - t0)
         outputs = self._process_outputs(batch, result, appended)
         if self.stats_logger is not None:
             self.stats_logger.maybe_log(self)
@@ -327,16 +340,6 @@ class LLMEngine:
             for token in kept:
                 self.structured.accept(request.request_id, request.structured, token)
         return kept
-
-    def _propose_drafts(self) -> None:
-        """Draft tokens for running requests that are decoding. Not for requests with a grammar (their
-        drafts would need the grammar's state at each draft) nor on models with Mamba layers (a rejected
-        draft would have advanced the recurrent state)."""
-        if self.scheduler.state_pool is not None:
-            return
-        for request in self.scheduler.running:
-            if request.structured is None and request.num_computed_tokens == request.num_tokens - 1:
-                request.spec_token_ids = list(self.proposer.propose(request))
 
     def _add_grammar_bitmask(self, batch) -> None:
         ids, states = [], []

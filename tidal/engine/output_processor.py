@@ -31,6 +31,8 @@ class SampleState:
     sent_text: int = 0
     sent_finish: bool = False  # delta outputs: its finish has been reported (never report it twice)
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -114,6 +116,10 @@ class OutputProcessor:
             m.first_scheduled_time = request.first_scheduled_time
         sample.num_preemptions = request.num_preemptions
         m.num_preemptions = sum(s.num_preemptions for s in state.samples)
+        if request.num_draft_tokens:
+            sample.num_draft_tokens, sample.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
+            m.num_draft_tokens = sum(s.num_draft_tokens for s in state.samples)
+            m.num_accepted_tokens = sum(s.num_accepted_tokens for s in state.samples)
         m.num_generation_tokens = max(m.num_generation_tokens, len(sample.token_ids) + len(token_ids))
         sample.token_ids.extend(token_ids)
         if logprobs is not None and sample.logprobs is not None:

@@ -214,7 +214,26 @@ class Sampler:
                 tokens = torch.where(meta.temperature == 0, logits.argmax(-1), tokens)
         return _read_back(tokens, raw_logprobs, meta.num_logprobs)
 
-    def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def target_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """[n, vocab] fp32: the distribution each row draws from, after the grammar, penalties, banned
+        ids, temperature, top-k, top-p and min-p (not normalised after min-p; greedy rows: one-hot at
+        the argmax). What a rejection sampler verifies drafts against (tidal/layers/rejection_sampler.py)."""
+        logits = logits.float()
+        if meta.grammar_bitmask is not None:
+            logits = logits.clone()
+            apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
+        if meta.repetition_penalty is not None:
+            logits = apply_penalties(logits, meta)
+        if meta.banned_token_ids is not None:
+            logits = ban_tokens(logits.clone(), meta.banned_token_ids)
+        probs = self._probs(logits, meta)
+        if not meta.all_random:
+            greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+            probs = torch.where((meta.temperature == 0).unsqueeze(1), greedy, probs)
+        return probs
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # greedy rows of a mixed batch divide by 1 here; their draw is replaced by the argmax after
         temperature = torch.where(meta.temperature > 0, meta.temperature, 1.0)
         x = logits / temperature.unsqueeze(1)  # a new tensor: the filters below mask it in place
@@ -223,6 +242,10 @@ class Sampler:
         probs = x.softmax(-1)
         if meta.min_p is not None:
             probs = apply_min_p(probs, meta.min_p)
+        return probs
+
+    def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        probs = self._probs(logits, meta)
         if meta.seeds is None:
             q = self._exponential(probs)
         else:

@@ -251,6 +251,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights in its blocks; {path!r} is not a "
                          ".gguf file")
     config = load_config(path)
+    for key, value in (config_overrides or {}).items():  # e.g. a draft model of the first layers
+        setattr(config, key, value)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
     tokenizer = load_tokenizer(path, tokenizer, tokenizer_mode)  # before the weights: a bad path fails fast
     torch_dtype, weight_dtype = resolve_dtypes(dtype, config, device, checkpoint_fp32=False if is_gguf else None)
@@ -264,6 +266,9 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
         weights = gguf_loader.iterate_gguf_weights(reader, config, torch_dtype, keep_quantized=True)
     else:
         weights = iterate_safetensors(path, torch_dtype)
+    if "num_hidden_layers" in (config_overrides or {}):  # fewer layers than the checkpoint: its first ones
+        weights = ((n, t) for n, t in weights
+                   if not n.startswith("model.layers.") or int(n.split(".")[2]) < config.num_hidden_layers)
     net.load_weights(weights)
     net.eval()
     if quant is not None and quant.embedding_format is not None:

@@ -102,6 +102,8 @@ class InputBatch:
                 raise RuntimeError(f"request {sr.request_id} was scheduled as running, but this worker does not "
                                    "hold it")
             row = state.row
+            if sr.num_rolled_back_blocks:
+                self.num_blocks[row] -= sr.num_rolled_back_blocks
             if sr.new_token_ids:
                 n = int(self.num_tokens[row])
                 self.token_ids[row, n:n + len(sr.new_token_ids)] = sr.new_token_ids

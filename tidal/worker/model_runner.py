@@ -7,8 +7,10 @@ positions and slot_mapping are flat [num_tokens] tensors gathered from the Input
 Attention metadata is built once per step by the platform's attention backend. Logits are computed
 only at the rows that sample - a request's last known token, and each of its draft tokens - and at
 prompt rows of requests that asked for prompt logprobs. A request with k drafts gets k + 1 tokens
-sampled; the drafts are accepted up to the first that differs from the token sampled at its place,
-and the tokens returned are the accepted drafts and the one sampled after them.
+sampled with its own parameters and noise; the drafts are accepted up to the first that differs from
+the token sampled at its place, and the tokens returned are the accepted drafts and the one sampled
+after them: rejection sampling of point-mass drafts, exact for sampled requests too
+(tidal/layers/rejection_sampler.py).
 
 The runner runs where the model's weights are (CPU or CUDA): the KV cache, the Mamba state and the
 default generator lives there too. Each step's tensors are built on the host and copied once
@@ -28,6 +30,7 @@ from tidal.layers.attention import Attention
 from tidal.layers.attention.kv_cache_dtype import FP8, describe_kv_cache_dtype, kv_cache_torch_dtype
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
+from tidal.layers.rejection_sampler import accept_point_mass
 from tidal.layers.sampler import PromptTokenLogprobs, Sampler, SamplingMetadata, TokenLogprobs, prompt_logprobs
 from tidal.platforms import get_platform
 from tidal.sampling_params import SamplingParams
@@ -218,10 +221,10 @@ class ModelRunner:
                 k = len(r.spec_token_ids)
                 tokens, lps = result.token_ids[j:j + k + 1], result.logprobs[j:j + k + 1]
                 j += k + 1
-                n = next((a for a in range(k) if tokens[a] != r.spec_token_ids[a]), k)  # drafts accepted
-                out.sampled[r.request_id] = tokens[:n + 1]
+                # exact rejection sampling of point-mass drafts (see tidal/layers/rejection_sampler.py)
+                kept = out.sampled[r.request_id] = accept_point_mass(tokens, r.spec_token_ids)
                 if lps[0] is not None:
-                    out.logprobs[r.request_id] = lps[:n + 1]
+                    out.logprobs[r.request_id] = lps[:len(kept)]
         for i, r in enumerate(reqs):
             if self._wants_prompt_logprobs(r):
                 out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, int(starts[i]))
