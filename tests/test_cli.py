@@ -94,6 +94,8 @@ ENGINE_FLAG_VALUES = {
                                        "ray"),
     "--quantization": (["-q", "int8"], "quantization", "int8"),
     "--kv-cache-dtype": (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
+    "--speculative-config": (["--speculative-config", '{"method": "ngram"}'], "speculative_config",
+                             '{"method": "ngram"}'),
     "--served-model-name": (["--served-model-name", "x"], "served_model_name", "x"),
     "--disable-log-stats": (["--disable-log-stats"], "disable_log_stats", True),
 }

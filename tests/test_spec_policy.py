@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tidal.engine.stats import EngineStats
+from tidal.engine.stats import EngineStats, StatsLogger
 from tidal.metrics import ServerMetrics
 from tidal.request import Request
 from tidal.sampling_params import SamplingParams
@@ -100,12 +100,13 @@ def test_stats_count_drafts_by_position():
 def test_metrics_page_and_log_line_carry_the_spec_decode_counters(caplog):
     stats = EngineStats()
     engine = SimpleNamespace(stats=stats, scheduler=SimpleNamespace(num_running=1, num_waiting=0),
-                             kv_manager=SimpleNamespace(usage=0.1))
-    metrics = ServerMetrics("m", log_stats=True, log_interval_s=0)
+                             kv_manager=SimpleNamespace(usage=0.1), stats_logger=None)
+    metrics = ServerMetrics("m")
     stats.num_generation_tokens = 9
     stats.record_drafts([(4, 4), (4, 1)])
     with caplog.at_level(logging.INFO, logger="tidal.engine.stats"):
         metrics(engine)
+        assert StatsLogger(interval_s=0).maybe_log(engine)  # the periodic line, and the SpecDecoding one beside it
     page = metrics.render().decode()
     assert 'tidal:spec_decode_num_drafts_total{model_name="m"} 2.0' in page
     assert 'tidal:spec_decode_num_draft_tokens_total{model_name="m"} 8.0' in page
