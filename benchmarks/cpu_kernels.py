@@ -8,6 +8,11 @@
   bf16 model) against oneDNN's GEMM on a prepacked copy of the weight (what a second copy would buy)
   and on the plain weight (F.linear), for 16 to 2048 rows, summed the same way (the LM head only up
   to 256 rows: it sees one row per sequence).
+- Products with 8-bit weights (tidal/layers/quant_kernels.py) against the bf16 kernels on the same
+  shapes, for 1, 4, 16 and 128 rows: int8 and fp8 weights widened in registers under fp32 (W8A16),
+  W8A8 (per-token int8 activations, VPDPBUSD or VPMADDUBSW), beside the bf16 skinny kernel (rows <= 4)
+  and the blocked one (AVX-512 BF16), and the fp32-activation bf16-weight kernel; a layer's four
+  products and the LM head separately, each call on weights not in the caches (as in a decode).
 - Paged attention: 64 decodes over 1,100 cached tokens each, and one 64-token prompt chunk over
   1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16, fp32 and FP8 (E4M3)
   caches and bf16 over bf16 and FP8. GFLOP/s count 4 * heads * head_dim per query and cached token.
@@ -68,6 +73,58 @@ def gemm_bf16(isa: str) -> None:
               f"({packed / native:5.2f}x), oneDNN plain {plain * 1e3:8.3f} ms ({plain / native:5.2f}x)")
 
 
+def rotating(w: torch.Tensor, nbytes: int = 96 << 20) -> list[torch.Tensor]:
+    """Copies of w filling nbytes (3x this CPU's 32 MiB L3): called on each in turn, a kernel reads its
+    weights from memory, as it does in a model's decode (one layer's weights after another)."""
+    return [w.clone() for _ in range(max(1, -(-nbytes // (w.numel() * w.element_size()))))]
+
+
+def timed_cold(fn, weights: list[torch.Tensor], n: int) -> float:
+    fn(weights[-1])
+    t0 = time.perf_counter()
+    for i in range(n):
+        fn(weights[i % len(weights)])
+    return (time.perf_counter() - t0) / n
+
+
+def quant(isa: str, rounds: int = 3) -> None:
+    from tidal.layers import quant_kernels as qk
+    bf16 = isa == "avx512_bf16"  # bf16 activations are what dtype auto picks there; fp32 elsewhere
+    for m in (1, 4, 16, 128):
+        best: dict[tuple[str, int, int], float] = {}
+        for _ in range(rounds):  # best of a few rounds: other work on the machine only slows a round down
+            for n, k in SHAPES:
+                x = torch.randn(m, k)
+                xb = x.bfloat16()
+                x_in = xb if bf16 else x
+                scale = torch.rand(n) * 0.01
+                reps = max(5, min(60, 3000 // m))
+                runs = {}
+                w8 = rotating(torch.randint(-127, 128, (n, k), dtype=torch.int8))
+                sums = qk.int8_row_sums(w8[0])
+                runs["int8"] = timed_cold(lambda w: qk.int8_linear(x_in, w, scale), w8, reps)
+                runs["w8a8"] = timed_cold(lambda w: qk.w8a8_linear(x_in, w, scale, None, sums), w8, reps)
+                del w8
+                wf8 = rotating((torch.randn(n, k) * 100).to(torch.float8_e4m3fn))
+                runs["fp8"] = timed_cold(lambda w: qk.fp8_linear(x_in, w, scale), wf8, reps)
+                del wf8
+                wb = rotating(torch.randn(n, k).bfloat16())
+                if m <= cpu_kernels.SKINNY_MAX_ROWS and bf16:
+                    runs["bf16 skinny"] = timed_cold(lambda w: cpu_kernels.skinny_linear(xb, w, None), wb, reps)
+                if bf16:
+                    runs["bf16 blocked"] = timed_cold(lambda w: cpu_kernels.bf16_linear(xb, w, None), wb, reps)
+                runs["f32 x bf16w"] = timed_cold(lambda w: cpu_kernels.linear_f32_bf16w(x, w, None), wb, reps)
+                del wb
+                for name, t in runs.items():
+                    best[name, n, k] = min(t, best.get((name, n, k), t))
+        names = list(dict.fromkeys(name for name, _, _ in best))
+        for part, shapes in (("layer", SHAPES[:4]), ("lm_head", SHAPES[4:]), ("both", SHAPES)):
+            t = {name: sum(best[name, n, k] for n, k in shapes) for name in names}
+            base = t.get("bf16 skinny") or t.get("bf16 blocked") or t["f32 x bf16w"]
+            cells = ", ".join(f"{name} {v * 1e3:6.3f} ms ({v / base:4.2f}x)" for name, v in t.items())
+            print(f"{isa:12s} 8-bit weights, rows {m:4d}, {part:7s}: {cells}", flush=True)
+
+
 def attention(isa: str) -> None:
     nb, hk, hq, bs, d, ctx, n = 600, 3, 9, 16, 64, 1100, 64
     for qdt, kdt in ((torch.float32, torch.bfloat16), (torch.float32, torch.float32),
@@ -97,12 +154,13 @@ def attention(isa: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--isa", nargs="*", default=[i for i in runnable_isas() if i != "generic"])
-    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "attention"], default=None)
+    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "quant", "attention"], default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     for isa in args.isa:
         with isa_override(isa):
-            for name, bench in (("gemm", gemm), ("gemm_bf16", gemm_bf16), ("attention", attention)):
+            for name, bench in (("gemm", gemm), ("gemm_bf16", gemm_bf16), ("quant", quant),
+                                 ("attention", attention)):
                 if args.only in (None, name):
                     bench(isa)
 

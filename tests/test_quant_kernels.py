@@ -6,7 +6,7 @@ import torch
 from tidal.layers import quant_kernels as qk
 from tidal.native import isa_override, runnable_isas
 
-ROWS = [1, 2, 3, 4, 5, 17, 64]  # the skinny path (1-4 rows), the blocked path
+ROWS = [1, 2, 3, 4, 5, 17, 64]  # one skinny pass; several (W8A16 up to 32 rows) or blocked (W8A8); blocked
 SHAPES = [(37, 101), (130, 576)]  # N, K: ragged register tiles and vector tails; a multiple of 64
 DTYPES = [torch.float32, torch.bfloat16]
 U = 2.0 ** -24  # fp32 unit roundoff
