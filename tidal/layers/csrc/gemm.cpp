@@ -229,29 +229,6 @@ static void skinny_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bi
 // order, whatever M is and wherever the row sits in its group, so a row's result never depends on the
 // other rows of the call; bias is added in fp32, then one rounding to bf16 (nearest even).
 
-// r[c] <- column c of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15]
-static inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + q]: element q of each 128-bit lane, rows i..i+3
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m512i a_lo = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x44), a_hi = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xee);
-    const __m512i b_lo = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x44);
-    const __m512i b_hi = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xee);
-    r[q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0x88);
-    r[4 + q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd);
-    r[8 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0x88);
-    r[12 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd);
-  }
-}
 
 // rows [m0, m0 + 16) of x (those < M; the others zero) as xg[p * 16 + r] = pair p of row m0 + r, p < K2p
 // (a multiple of 16; pairs past K, and the missing half of an odd K's last pair, are zero)
@@ -262,7 +239,7 @@ static void pack_group(const uint16_t* x, int64_t M, int64_t K, int64_t m0, int6
     __m512i r[16];
     for (int i = 0; i < 16; ++i)
       r[i] = m0 + i < M ? _mm512_maskz_loadu_epi16(mask, x + (m0 + i) * K + k0) : _mm512_setzero_si512();
-    transpose16x16(r);
+    simd::transpose16x16(r);
     for (int q = 0; q < 16; ++q) _mm512_storeu_si512(xg + (p0 + q) * 16, r[q]);
   }
 }
@@ -286,7 +263,7 @@ static inline void store_16x16(const __m512* acc, const uint16_t* bias, uint16_t
                                int64_t m0, int64_t n0, int nn) {
   __m512i r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(acc[i]);
-  transpose16x16(r);  // r[row]: the row's outputs
+  simd::transpose16x16(r);  // r[row]: the row's outputs
   const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
   const __m512 b = load_bias(bias, n0, nmask);
   const int64_t rows = std::min<int64_t>(16, M - m0);
@@ -302,7 +279,7 @@ static inline void store_2x16x8(const __m512* lo, const __m512* hi, const uint16
     r[i] = _mm512_castps_si512(lo[i]);
     r[8 + i] = hi ? _mm512_castps_si512(hi[i]) : _mm512_setzero_si512();
   }
-  transpose16x16(r);  // r[c]: row m0 + c's outputs in lanes 0-7, row m0 + 16 + c's in lanes 8-15
+  simd::transpose16x16(r);  // r[c]: row m0 + c's outputs in lanes 0-7, row m0 + 16 + c's in lanes 8-15
   const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
   __m512 b = load_bias(bias, n0, nmask);
   b = _mm512_shuffle_f32x4(b, b, 0x44);  // the 8 biases in both halves

@@ -615,29 +615,6 @@ void skinny_rows_w8a8(const int8_t* x, const int8_t* w, const IntEpilogue& epi, 
 // (M * K bytes per call) is reordered, into groups of 16 rows ([K4p][16] quads); the 16 x 16 tile of
 // accumulators is transposed once at the end. Same structure as gemm.cpp's gemm_bf16.
 
-// r[c] <- column c of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15]
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m512i a_lo = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x44), a_hi = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xee);
-    const __m512i b_lo = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x44);
-    const __m512i b_hi = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xee);
-    r[q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0x88);
-    r[4 + q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd);
-    r[8 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0x88);
-    r[12 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd);
-  }
-}
 
 // rows [m0, m0 + 16) of x (those < M; the others zero) as xg[q * 16 + r] = quad q of row m0 + r plus 128
 // (u8), q < K4p (a multiple of 16); bytes past K are 0, so they add nothing
@@ -650,7 +627,7 @@ void pack_group(const int8_t* x, int64_t M, int64_t K, int64_t m0, int64_t K4p, 
       r[i] = m0 + i < M ? _mm512_maskz_mov_epi8(mask, _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, x + (m0 + i) * K + k0),
                                                                        _mm512_set1_epi8(-128)))
                         : _mm512_setzero_si512();
-    transpose16x16(r);
+    simd::transpose16x16(r);
     for (int q = 0; q < 16; ++q) _mm512_storeu_si512(xg + (q0 + q) * 16, r[q]);
   }
 }
@@ -711,7 +688,7 @@ inline void tile_vnni(const uint32_t* xg, int64_t gstride, const int8_t* w, int6
   }
   if constexpr (NR == 16) {
     static_assert(MV == 1, "16 weight rows: one group of x");
-    transpose16x16(acc[0]);  // acc[0][row]: the row's outputs
+    simd::transpose16x16(acc[0]);  // acc[0][row]: the row's outputs
     const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
     const int64_t rows = std::min<int64_t>(16, M - m0);
     for (int64_t row = 0; row < rows; ++row) finish_row(acc[0][row], epi, m0 + row, n0, nmask);
@@ -726,7 +703,7 @@ inline void tile_vnni(const uint32_t* xg, int64_t gstride, const int8_t* w, int6
         r[i] = acc[v][i];
         r[8 + i] = v + 1 < MV ? acc[v + 1][i] : _mm512_setzero_si512();
       }
-      transpose16x16(r);
+      simd::transpose16x16(r);
       const int64_t g0 = m0 + 16 * v;
       const int64_t rows = std::min<int64_t>(16, M - g0), rows_hi = v + 1 < MV ? std::min<int64_t>(16, M - g0 - 16) : 0;
       for (int64_t c = 0; c < rows; ++c) finish_row(r[c], epi, g0 + c, n0, nmask);

@@ -70,6 +70,30 @@ inline uint16_t raw_half_bits(uint8_t b) {
 }  // namespace e4m3
 
 #if TIDAL_VEC == 16
+// r[c] <- column c of the 16 x 16 matrix of 32-bit elements whose rows are r[0..15]
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + q]: element q of each 128-bit lane, rows i..i+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i a_lo = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x44), a_hi = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xee);
+    const __m512i b_lo = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x44);
+    const __m512i b_hi = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xee);
+    r[q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0x88);
+    r[4 + q] = _mm512_shuffle_i32x4(a_lo, b_lo, 0xdd);
+    r[8 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0x88);
+    r[12 + q] = _mm512_shuffle_i32x4(a_hi, b_hi, 0xdd);
+  }
+}
+
 using vf = __m512;
 constexpr int W = 16;
 inline vf zero() { return _mm512_setzero_ps(); }
