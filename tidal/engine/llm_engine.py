@@ -375,13 +375,14 @@ class LLMEngine:
         return self.tokenizer
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the cached blocks no request uses. Returns True when the whole cache is now empty, False
-        when running requests still hold cached blocks (their entries stay: their KV is valid and they
-        extend it), as vLLM reports a reset that could not be complete."""
+        """Forget the cached blocks no request uses. Returns True when no block is in use, so nothing
+        computed before the reset can be served from the cache after it; False (as vLLM) while running
+        requests hold blocks: their cached entries stay (their KV is valid and they extend it) and
+        their partial blocks enter the cache as they fill."""
         self.kv_manager.reset_prefix_cache()
         if self.scheduler.state_checkpoints is not None:
             self.scheduler.state_checkpoints.reset()
-        return self.kv_manager.pool.num_cached_blocks == 0
+        return self.kv_manager.pool.num_used_blocks == 0
 
     def check_health(self) -> None:
         """Raises WorkerError if a worker process has died or stopped answering."""
