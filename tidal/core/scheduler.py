@@ -99,6 +99,9 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:  # never replace a live request: its blocks would leak
+            raise ValueError(f"request_id {request.request_id!r} is already in use by a running or "
+                             "waiting request")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

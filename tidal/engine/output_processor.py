@@ -60,6 +60,13 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+        """Start gathering a request's samples, one per child id. Refuses (ValueError, changing
+        nothing) an id already in use, of a request or of a sample: it would take over their state."""
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        taken = [c for c in child_ids if c in self.child_to_parent]
+        if taken or len(set(child_ids)) != len(child_ids):
+            raise ValueError(f"sample ids of request {request_id!r} collide: {taken or child_ids}")
         detok = (lambda: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
                  if params.detokenize and self.tokenizer is not None else None)
         samples = [SampleState(i, detok(), logprobs=[] if params.logprobs is not None else None,
