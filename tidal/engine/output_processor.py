@@ -67,7 +67,8 @@ class OutputProcessor:
         taken = [c for c in child_ids if c in self.child_to_parent]
         if taken or len(set(child_ids)) != len(child_ids):
             raise ValueError(f"sample ids of request {request_id!r} collide: {taken or child_ids}")
-        detok = (lambda: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        detok = (lambda: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                params.spaces_between_special_tokens)
                  if params.detokenize and self.tokenizer is not None else None)
         samples = [SampleState(i, detok(), logprobs=[] if params.logprobs is not None else None,
                                cumulative_logprob=0.0 if params.logprobs is not None else None)
