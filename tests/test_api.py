@@ -234,6 +234,22 @@ def test_output_processor_refuses_an_id_in_use_and_keeps_its_state():
     assert op.states == {"x": state} and op.child_to_parent == {"x#0": ("x", 0), "x#1": ("x", 1)}
 
 
+def test_a_request_aborted_mid_prompt_reports_when_it_was_scheduled(tiny_model_dir):
+    """Its prompt is split across steps (chunked prefill): aborted before its first token, its metrics
+    still say when it was first scheduled."""
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=8, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    engine.add_request("long", {"prompt_token_ids": list(range(3, 43))}, GREEDY.clone(n=2))
+    assert engine.step() == []  # 16 of the first sample's 40 prompt tokens
+    scheduled_at = engine.scheduler.requests["long#0"].first_scheduled_time
+    assert scheduled_at is not None
+    (out,) = engine.abort_request("long")
+    m = out.metrics
+    assert out.finished and m.first_token_time is None
+    assert m.first_scheduled_time == scheduled_at and m.arrival_time <= m.first_scheduled_time
+    assert_engine_idle(engine)
+
+
 def test_stop_strings_without_text_are_refused(tiny_model_dir):
     llm = tiny_llm(tiny_model_dir("llama"), block_size=8)  # a tiny model without tokenizer files
     with pytest.raises(ValueError, match="stop strings need the output text, but this model has no tokenizer"):

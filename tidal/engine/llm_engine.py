@@ -306,7 +306,9 @@ class LLMEngine:
         outs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             for cid in self.output_processor.children_of(rid):
-                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+                request = self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+                if request is not None:  # scheduled, maybe preempted, since its last token
+                    self.output_processor.record_progress(request)
             out = self.output_processor.abort(rid)
             if out is not None:
                 self.stats.record_finished(out)
