@@ -295,11 +295,13 @@ class LLMEngine:
             p = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i,
                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            requests.append(Request(cid, ids, p, self.eos_token_ids, arrival_time, cache_salt))
+            request = Request(cid, ids, p, self.eos_token_ids, arrival_time, cache_salt)
+            if p.structured_outputs is not None:
+                request.structured = self.structured.start(p.structured_outputs)
+            requests.append(request)
+        # every id was checked above: neither of these can refuse one now
         self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
         for request in requests:
-            if request.sampling_params.structured_outputs is not None:
-                request.structured = self.structured.start(request.sampling_params.structured_outputs)
             self.scheduler.add_request(request)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
