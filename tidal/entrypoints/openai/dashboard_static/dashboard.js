@@ -119,6 +119,7 @@ function fitCanvas(canvas, cssHeight) {  // sharp on any pixel ratio
     canvas.width = Math.round(width * ratio);
     canvas.height = Math.round(height * ratio);
   }
+  canvas.style.height = height + "px";
   const ctx = canvas.getContext("2d");
   ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
   ctx.clearRect(0, 0, width, height);
@@ -266,6 +267,11 @@ function drawChart(canvas, series, scale) {
       pen = true;
     }
     ctx.stroke();
+    ctx.fillStyle = colour;
+    points.forEach((p, i) => {  // a lone point (no neighbour to draw a line to) gets a dot
+      const lone = (j) => j < 0 || j >= points.length || points[j][k] === null || points[j][k] === undefined;
+      if (!lone(i) && p.time >= t0 && lone(i - 1) && lone(i + 1)) ctx.fillRect(x(p.time) - 1.5, y(p[k] * scale) - 1.5, 3, 3);
+    });
     const latest = points.length ? points[points.length - 1][k] : null;
     ctx.fillStyle = colour;
     const text = `${label} ${latest === null || latest === undefined ? "–" : formatAxis(latest * scale)}`;
