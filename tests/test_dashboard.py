@@ -73,6 +73,18 @@ def test_snapshot_shows_finished_requests_blocks_as_cached():
     assert snap["kv"]["cached"] == 2 and snap["kv"]["cells"].count("c") == 2  # the two full blocks stay cached
 
 
+def test_snapshot_shows_mamba_state_slots_and_their_owners():
+    from tidal.core.state_pool import StatePool
+    engine = _Engine()
+    engine.scheduler = Scheduler(engine.kv_manager, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                 state_pool=StatePool(3))
+    request = _admit(engine, "a", list(range(5)))
+    state = engine_snapshot(engine)["state"]
+    assert state["num_slots"] == 3 and state["free"] == 2
+    assert state["owner"][request.state_slot] == 0 and state["owner"].count(-2) == 2  # -2: a free slot
+    assert engine_snapshot(_Engine())["state"] is None  # no Mamba layers, no slots
+
+
 def test_snapshot_groups_blocks_of_a_large_pool():
     engine = _Engine(num_blocks=100)
     _admit(engine, "a", list(range(9)))

@@ -133,7 +133,7 @@ function drawKvMap(s) {
   const canvas = $("kv-map");
   const n = kv.cells.length;
   const width = canvas.clientWidth || 600;
-  const cell = Math.max(3, Math.min(14, Math.floor(Math.sqrt((width * 220) / n))));
+  const cell = Math.max(3, Math.min(20, Math.floor(Math.sqrt((width * 200) / n))));
   const perRow = Math.max(1, Math.floor(width / cell));
   const [ctx] = fitCanvas(canvas, Math.ceil(n / perRow) * cell);
   const css = getComputedStyle(document.documentElement);
@@ -182,19 +182,21 @@ function drawStateSlots(s) {
 }
 
 function drawSteps(last) {
+  // square-root scale: a step of a few decode tokens stays visible beside a prefill of thousands
   const [ctx, width, height] = fitCanvas($("step-chart"), 160);
   const max = Math.max(1, ...steps.map((s) => s.prefill_tokens + s.decode_tokens));
+  const h = (tokens) => Math.sqrt(tokens / max) * (height - 4);
   const w = width / MAX_STEPS;
   steps.forEach((s, i) => {
-    const hp = (s.prefill_tokens / max) * (height - 4);
-    const hd = (s.decode_tokens / max) * (height - 4);
+    const total = h(s.prefill_tokens + s.decode_tokens);
+    const hd = h(s.decode_tokens);
+    ctx.fillStyle = "#e07b39";
+    ctx.fillRect(i * w, height - total, Math.max(1, w - 1), total - hd);
     ctx.fillStyle = "#3a7bd5";
     ctx.fillRect(i * w, height - hd, Math.max(1, w - 1), hd);
-    ctx.fillStyle = "#e07b39";
-    ctx.fillRect(i * w, height - hd - hp, Math.max(1, w - 1), hp);
   });
   $("step-summary").textContent = `step ${int(last.num)}: ${int(last.prefill_tokens)} prefill + ` +
-    `${int(last.decode_tokens)} decode tokens, ${last.num_requests} requests · scale ${int(max)}`;
+    `${int(last.decode_tokens)} decode tokens, ${last.num_requests} requests · √ scale to ${int(max)}`;
 }
 
 function drawRequests(s) {
