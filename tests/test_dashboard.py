@@ -302,3 +302,41 @@ def test_page_shows_the_engine_live_and_agrees_with_metrics(server, browser, tmp
     assert number("kv-free") + number("kv-cached") == browser.execute_script("return config.num_blocks")
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == [], errors
+
+
+# -- a hybrid engine in process, without an API key -----------------------------------------------
+
+def test_hybrid_engine_snapshot_through_the_app_without_a_key(tmp_path):
+    """A tiny random Jamba: the snapshot shows each running request's Mamba state slot, and the data
+    routes need no key when the server has none."""
+    import asyncio
+
+    from tests.test_hybrid import save_tiny_hybrid
+    from tidal import LLM
+    from tidal.engine.async_llm import AsyncLLM
+    from tidal.entrypoints.openai.api_server import build_app
+
+    save_tiny_hybrid("jamba", str(tmp_path))
+    engine = LLM(str(tmp_path), dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=64,
+                 kv_cache_memory_bytes=4 << 20).llm_engine
+    for i in range(2):
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=50))
+    engine.step()  # both admitted (the second one in part), each with its slot
+    engine.has_unfinished_requests = lambda: False  # the engine thread then only serves calls: no step moves them
+    async_llm = AsyncLLM(engine, step_hook=ServerMetrics("jamba"))
+    app = build_app(async_llm, "jamba", metrics=async_llm.step_hook)
+
+    async def get(path: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            return await client.get(path)
+
+    try:
+        assert asyncio.run(get("/dashboard/auth")).json() == {"api_key_required": False}
+        assert asyncio.run(get("/dashboard/token")).json() == {"token": None}
+        snap = asyncio.run(get("/dashboard/snapshot")).json()
+    finally:
+        async_llm.shutdown()
+    assert snap["config"]["num_state_slots"] == snap["state"]["num_slots"] > 0
+    held = {r["state_slot"]: i for i, r in enumerate(snap["requests"]) if r["status"] == "running"}
+    assert len(held) == 2 and all(snap["state"]["owner"][slot] == i for slot, i in held.items())
+    assert snap["state"]["free"] == snap["state"]["num_slots"] - len(held)
