@@ -126,7 +126,9 @@ class AsyncLLM:
 
     async def call_in_engine(self, fn):
         """Run fn(engine) on the engine thread between two steps (where the engine's state is consistent)
-        and return its result: how the dashboard reads the block map without a race or a per-step cost."""
+        and return its result: how the dashboard reads the block map without a race or a per-step cost.
+        It waits for the step in progress; if the engine stops first it may never answer, so callers
+        bound the wait (asyncio.wait_for)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -104,10 +104,13 @@ function onPoint(p) {
 // -- formatting -----------------------------------------------------------------------------------
 const int = (x) => (x === undefined || x === null ? "–" : Math.round(x).toLocaleString("en-US"));
 const pct = (x) => (x === undefined || x === null ? "–" : (100 * x).toFixed(1) + "%");
-function hue(id) {  // a stable colour per request id: FNV-1a, spread by the golden angle
-  let h = 2166136261;
-  for (const c of id) h = Math.imul(h ^ c.charCodeAt(0), 16777619) >>> 0;
-  return Math.round((h % 1000) * 137.508) % 360;
+const colourOrder = new Map();  // request id -> order of first sight: neighbours in time get distant hues
+function hue(id) {
+  if (!colourOrder.has(id)) {
+    if (colourOrder.size > 10000) colourOrder.clear();
+    colourOrder.set(id, colourOrder.size);
+  }
+  return Math.round(colourOrder.get(id) * 137.508) % 360;  // the golden angle
 }
 const requestColour = (id, light) => `hsl(${hue(id)}, 60%, ${light || 50}%)`;
 
