@@ -94,6 +94,10 @@ class Dashboard:
         if self.history is not None and (self._sampler is None or self._sampler.done()):
             self._sampler = asyncio.ensure_future(self._sample_forever())
 
+    def stop_sampler(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+
     async def _sample_forever(self) -> None:
         while True:
             try:
@@ -163,8 +167,11 @@ def add_dashboard_routes(app: FastAPI, async_llm, metrics: ServerMetrics | None,
     @contextlib.asynccontextmanager
     async def lifespan(app_):  # the history starts with the server, not when the page is first opened
         dashboard.start_sampler()
-        async with inner_lifespan(app_) as state:
-            yield state
+        try:
+            async with inner_lifespan(app_) as state:
+                yield state
+        finally:
+            dashboard.stop_sampler()
 
     app.router.lifespan_context = lifespan
 
