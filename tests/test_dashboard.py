@@ -336,6 +336,8 @@ def test_hybrid_engine_snapshot_through_the_app_without_a_key(tmp_path):
         snap = asyncio.run(get("/dashboard/snapshot")).json()
     finally:
         async_llm.shutdown()
+    stream = asyncio.run(get("/dashboard/events")).text  # a stopped engine ends the stream, saying why
+    assert stream.startswith("event: hello") and "event: engine_error" in stream and "shutting down" in stream
     assert snap["config"]["num_state_slots"] == snap["state"]["num_slots"] > 0
     held = {r["state_slot"]: i for i, r in enumerate(snap["requests"]) if r["status"] == "running"}
     assert len(held) == 2 and all(snap["state"]["owner"][slot] == i for slot, i in held.items())
