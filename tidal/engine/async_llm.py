@@ -54,8 +54,12 @@ class _Stream:
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
     def settle():
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
+        if future.done():  # the caller stopped waiting (timed out, cancelled)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
     try:
         loop.call_soon_threadsafe(settle)
     except RuntimeError:  # the caller's event loop is closed

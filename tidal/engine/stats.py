@@ -36,7 +36,8 @@ class EngineStats:
     # KV utilization: slots holding real tokens / allocated slots, summed over steps
     kv_util_sum: float = 0.0
     kv_util_steps: int = 0
-    # the batch of the latest step: prompt tokens (prefill), other tokens (decodes and drafts), requests
+    # the batch of the latest step (for the dashboard): tokens at prompt positions (prefill), the others
+    # (decodes, drafts, outputs recomputed after a preemption), requests
     last_step_prefill_tokens: int = 0
     last_step_decode_tokens: int = 0
     last_step_num_requests: int = 0
