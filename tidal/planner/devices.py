@@ -63,7 +63,7 @@ class Device:
 
     @property
     def achieved_bandwidth(self) -> float:
-        return self.memory_bandwidth * (1.0 if self.source != "table" else self.bandwidth_efficiency)
+        return self.memory_bandwidth * self.bandwidth_efficiency
 
     @property
     def peak_gemm_rate(self) -> float:

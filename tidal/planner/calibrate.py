@@ -1,0 +1,161 @@
+"""`tidal plan calibrate`: measure this machine for the planner and write the figures as a device file
+(JSON, read with `tidal plan --calibration FILE`).
+
+Everything is timed on the engine's own code with a real model (bf16):
+- GEMM rate at a few row counts M: one pass over every linear layer of the model (the products of one
+  forward, on weights that do not stay in the caches), FLOPs 2 x M x parameters over the time; the
+  one-row pass gives the memory bandwidth (weight bytes over its time);
+- attention per KV byte: whole engine decode steps of the same batch at a short and a long context,
+  the difference over the KV bytes the longer context adds;
+- host overhead: engine decode steps of 1 and of B requests at the short context, less what the two
+  figures above predict for them, split into a fixed part per step and a part per request.
+
+    tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --output cpu.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from tidal.planner.cost import CostModel, StepShape
+from tidal.planner.devices import get_device
+from tidal.planner.model import profile_model
+
+
+def _time(fn, repeats: int) -> float:
+    """Median of `repeats` timings of fn (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_rates(model: torch.nn.Module, rows: list[int], dtype: torch.dtype, repeats: int) -> tuple[dict, float]:
+    """{M: FLOP/s} over all linear layers at M rows, and the bandwidth (B/s) of the one-row pass."""
+    from tidal.layers.linear import LinearBase
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    params = sum(m.in_features * m.out_features for m in linears) if linears else 0
+    nbytes = sum(p.numel() * p.element_size() for m in linears for p in m.parameters(recurse=False))
+    rates, bandwidth = {}, 0.0
+    with torch.inference_mode():
+        for M in rows:
+            inputs = {m.in_features: torch.randn(M, m.in_features, dtype=dtype) for m in linears}
+
+            def one_pass():
+                for m in linears:
+                    m(inputs[m.in_features])
+            t = _time(one_pass, repeats)
+            rates[M] = 2 * M * params / t
+            if M == min(rows):
+                bandwidth = nbytes / t
+    return rates, bandwidth
+
+
+class _Steps:
+    """Times engine decode steps of a fixed batch: B requests of a C-token prompt, prefilled first."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.counter = engine, 0
+
+    def decode_step_time(self, batch: int, context: int, steps: int) -> float:
+        from tidal.sampling_params import SamplingParams
+        e = self.engine
+        ids = []
+        for _ in range(batch):
+            self.counter += 1
+            g = torch.Generator().manual_seed(self.counter)
+            prompt = torch.randint(0, e.vocab_size, (context,), generator=g).tolist()
+            rid = f"calibrate-{self.counter}"
+            e.add_request(rid, prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True, detokenize=False))
+            ids.append(rid)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.requests.values()):
+            e.step()  # the prompts' prefill: not timed
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            e.step()
+            times.append(time.perf_counter() - t0)
+        e.abort_request(ids)
+        e.reset_prefix_cache()
+        return statistics.median(times[1:] if len(times) > 2 else times)
+
+
+def calibrate(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, contexts=(64, 1024),
+              steps: int = 20, repeats: int = 5, kv_cache_memory_bytes: int = 2**30) -> dict:
+    from tidal.config import EngineConfig
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.worker.memory import cache_budget_bytes
+    short, long = contexts
+    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device="cpu", max_model_len=long + steps + 16,
+                                    max_num_seqs=max(batch, 1), kv_cache_memory_bytes=kv_cache_memory_bytes))
+    try:
+        rates, bandwidth = gemm_rates(engine.runner.model, list(rows), torch.bfloat16, repeats)
+        timer = _Steps(engine)
+        t_one = timer.decode_step_time(1, short, steps)
+        t_short = timer.decode_step_time(batch, short, steps)
+        t_long = timer.decode_step_time(batch, long, steps)
+    finally:
+        engine.shutdown()
+    profile = profile_model(model, dtype="bfloat16")
+    notes = []
+    added_kv = batch * (long - short) * profile.kv_bytes_per_token
+    per_kv_byte = (t_long - t_short) / added_kv if added_kv else 0.0
+    if per_kv_byte <= 0:
+        notes.append("the long-context steps were not slower than the short ones (a busy machine?): attention "
+                     "per KV byte taken as one read at the measured bandwidth")
+        per_kv_byte = 1 / bandwidth
+    device = get_device("cpu")
+    device.gemm_flops_by_rows, device.memory_bandwidth = rates, bandwidth
+    device.peak_flops = {"bf16": max(rates.values()), "fp32": max(rates.values()) / 2, "int8": 2 * max(rates.values())}
+    device.attention_seconds_per_kv_byte, device.source = per_kv_byte, "calibration"
+    device.step_overhead = device.request_overhead = device.layer_overhead = 0.0
+    cost = CostModel(profile, device)
+
+    def compute(b: int) -> float:  # the step's predicted work without host overhead
+        return cost.step_time(StepShape.of([(1, short, True)] * b))
+    residual_one, residual_batch = t_one - compute(1), t_short - compute(batch)
+    request_overhead = max(0.0, (residual_batch - residual_one) / (batch - 1)) if batch > 1 else 0.0
+    step_overhead = max(0.0, residual_one - request_overhead)
+    if residual_one < 0:
+        notes.append("a one-request decode step ran faster than its predicted compute: step overhead set to 0")
+    return {
+        "base": "cpu", "name": f"cpu ({platform.node()}, {torch.get_num_threads()} threads)",
+        "memory_bytes": _memory_bytes(), "peak_flops": device.peak_flops, "memory_bandwidth": bandwidth,
+        "gemm_flops_by_rows": {str(k): v for k, v in rates.items()}, "attention_seconds_per_kv_byte": per_kv_byte,
+        "step_overhead": step_overhead, "layer_overhead": 0.0, "request_overhead": request_overhead,
+        "kv_cache_memory_bytes": cache_budget_bytes(None),
+        "measured": {"model": model, "threads": torch.get_num_threads(), "batch": batch, "contexts": [short, long],
+                     "decode_step_s": {f"1x{short}": t_one, f"{batch}x{short}": t_short,
+                                       f"{batch}x{long}": t_long},
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "notes": notes,
+    }
+
+
+def _memory_bytes() -> int:
+    import psutil
+    return psutil.virtual_memory().total
+
+
+def main(args) -> int:
+    model = os.path.expanduser(args.model)
+    result = calibrate(model, rows=args.rows, batch=args.batch, contexts=tuple(args.contexts), steps=args.steps,
+                       repeats=args.repeats)
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=2)
+    rates = ", ".join(f"M={k}: {v / 1e9:.1f}" for k, v in result["gemm_flops_by_rows"].items())
+    print(f"GEMM GFLOP/s ({rates}); bandwidth {result['memory_bandwidth'] / 1e9:.1f} GB/s; attention "
+          f"{result['attention_seconds_per_kv_byte'] * 1e12:.1f} ps per KV byte; step overhead "
+          f"{result['step_overhead'] * 1e3:.2f} ms + {result['request_overhead'] * 1e6:.0f} us per request")
+    for note in result["notes"]:
+        print("note:", note)
+    print(f"wrote {args.output}")
+    return 0
