@@ -65,17 +65,34 @@ class _Steps:
     def __init__(self, engine) -> None:
         self.engine, self.counter = engine, 0
 
-    def decode_step_time(self, batch: int, context: int, steps: int) -> float:
+    def _add(self, batch: int, context: int, max_tokens: int) -> list[str]:
         from tidal.sampling_params import SamplingParams
-        e = self.engine
         ids = []
         for _ in range(batch):
             self.counter += 1
             g = torch.Generator().manual_seed(self.counter)
-            prompt = torch.randint(0, e.vocab_size, (context,), generator=g).tolist()
+            prompt = torch.randint(0, self.engine.vocab_size, (context,), generator=g).tolist()
             rid = f"calibrate-{self.counter}"
-            e.add_request(rid, prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True, detokenize=False))
+            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                detokenize=False))
             ids.append(rid)
+        return ids
+
+    def prefill_step_time(self, context: int, repeats: int) -> float:
+        """One step computing a whole fresh prompt of `context` tokens (a check of the fitted figures)."""
+        times = []
+        for _ in range(repeats):
+            ids = self._add(1, context, 2)
+            t0 = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - t0)
+            self.engine.abort_request(ids)
+        self.engine.reset_prefix_cache()
+        return statistics.median(times)
+
+    def decode_step_time(self, batch: int, context: int, steps: int) -> float:
+        e = self.engine
+        ids = self._add(batch, context, steps + 8)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.requests.values()):
             e.step()  # the prompts' prefill: not timed
         times = []
@@ -102,6 +119,7 @@ def calibrate(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, con
         t_one = timer.decode_step_time(1, short, steps)
         t_short = timer.decode_step_time(batch, short, steps)
         t_long = timer.decode_step_time(batch, long, steps)
+        t_prefill = timer.prefill_step_time(long, repeats)
     finally:
         engine.shutdown()
     profile = profile_model(model, dtype="bfloat16")
@@ -124,6 +142,8 @@ def calibrate(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, con
     residual_one, residual_batch = t_one - compute(1), t_short - compute(batch)
     request_overhead = max(0.0, (residual_batch - residual_one) / (batch - 1)) if batch > 1 else 0.0
     step_overhead = max(0.0, residual_one - request_overhead)
+    device.step_overhead, device.request_overhead = step_overhead, request_overhead
+    predicted_prefill = CostModel(profile, device).step_time(StepShape.of([(long, 0, True)]))
     if residual_one < 0:
         notes.append("a one-request decode step ran faster than its predicted compute: step overhead set to 0")
     return {
@@ -135,6 +155,8 @@ def calibrate(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, con
         "measured": {"model": model, "threads": torch.get_num_threads(), "batch": batch, "contexts": [short, long],
                      "decode_step_s": {f"1x{short}": t_one, f"{batch}x{short}": t_short,
                                        f"{batch}x{long}": t_long},
+                     # not fitted: how well the fitted figures predict a step they were not fitted on
+                     "prefill_step_s": {"tokens": long, "measured": t_prefill, "predicted": predicted_prefill},
                      "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "notes": notes,
     }
@@ -155,6 +177,9 @@ def main(args) -> int:
     print(f"GEMM GFLOP/s ({rates}); bandwidth {result['memory_bandwidth'] / 1e9:.1f} GB/s; attention "
           f"{result['attention_seconds_per_kv_byte'] * 1e12:.1f} ps per KV byte; step overhead "
           f"{result['step_overhead'] * 1e3:.2f} ms + {result['request_overhead'] * 1e6:.0f} us per request")
+    check = result["measured"]["prefill_step_s"]
+    print(f"check: a {check['tokens']}-token prefill step took {check['measured'] * 1e3:.1f} ms, predicted "
+          f"{check['predicted'] * 1e3:.1f} ms")
     for note in result["notes"]:
         print("note:", note)
     print(f"wrote {args.output}")

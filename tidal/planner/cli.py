@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="capacity planner: the real scheduler in simulated time",
+    # allow_abbrev=False: the calibrate subcommand's --output must not read as an abbreviation of --output-json
+    p = subparsers.add_parser("plan", help="capacity planner: the real scheduler in simulated time", allow_abbrev=False,
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
@@ -141,8 +142,13 @@ def run(args) -> int:
                           "highest_rate": rate, "summary": s}
             slo = " and ".join(f"{args.slo_percentile} {k} <= {v:g} ms" for k, v in
                                (("TTFT", args.slo_ttft), ("TPOT", args.slo_tpot)) if v is not None)
-            print(f"highest request rate with {slo}: " + ("none (even a trickle of requests misses it)"
-                  if rate is None else f"{rate:.3g} req/s ({s['output_throughput']:.0f} output tok/s)"))
+            if rate is None:
+                verdict = "none (even a trickle of requests misses it)"
+            elif rate == float("inf"):
+                verdict = f"any (met with every request arriving at once: {s['output_throughput']:.0f} output tok/s)"
+            else:
+                verdict = f"{rate:.3g} req/s ({s['output_throughput']:.0f} output tok/s)"
+            print(f"highest request rate with {slo}: {verdict}")
         if args.sweep is not None or args.plot:
             rates = args.sweep or [saturation * f for f in (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25)]
             points = [(r, at(r)[0]) for r in rates]

@@ -54,19 +54,26 @@ def requests_that_fit(profile: ModelProfile, result: SimResult, max_num_seqs: in
 
 def highest_rate(run: Callable[[float], dict], slo_ttft_ms: float | None, slo_tpot_ms: float | None,
                  saturation_rate: float, percentile: str = "p99", iterations: int = 12) -> tuple[float | None, dict]:
-    """The highest request rate whose simulation meets the SLOs (bisection in log rate between 1/1000 of the
-    saturation rate and twice it). Returns (rate or None when even the lowest fails, its summary)."""
+    """The highest request rate whose simulation meets the SLOs: inf when all requests arriving at once meet
+    them, else a bisection in log rate between 1/1000 of the saturation rate and the first doubling of it
+    that misses. Returns (rate, or
+    None when even the lowest rate misses, and that rate's summary)."""
     def ok(s: dict) -> bool:
         return s.get("fits", False) and (slo_ttft_ms is None or s[f"{percentile}_ttft_ms"] <= slo_ttft_ms) \
             and (slo_tpot_ms is None or s[f"{percentile}_tpot_ms"] <= slo_tpot_ms)
-    lo, hi = saturation_rate / 1000, saturation_rate * 2
-    s_lo = run(lo)
-    if not ok(s_lo):
-        return None, s_lo
-    s_hi = run(hi)
-    if ok(s_hi):
-        return hi, s_hi
-    best = s_lo
+    s_inf = run(float("inf"))
+    if ok(s_inf):
+        return float("inf"), s_inf
+    lo = saturation_rate / 1000
+    best = run(lo)
+    if not ok(best):
+        return None, best
+    hi = saturation_rate
+    while hi < saturation_rate * 1000:  # a short run of requests can meet it above the saturation rate
+        s = run(hi)
+        if not ok(s):
+            break
+        lo, best, hi = hi, s, hi * 2
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5
         s = run(mid)
