@@ -8,7 +8,11 @@ Everything is timed on the engine's own code with a real model (bf16):
 - attention per KV byte: whole engine decode steps of the same batch at a short and a long context,
   the difference over the KV bytes the longer context adds;
 - host overhead: engine decode steps of 1 and of B requests at the short context, less what the two
-  figures above predict for them, split into a fixed part per step and a part per request.
+  figures above predict for them, split into a fixed part per step and a part per request;
+- prompts: engine steps computing a whole fresh prompt of the long context and of a quarter of it, less
+  what the figures above predict for their linear layers, give a cost per token (elementwise layers,
+  inputs) and attention's FLOP rate on prompts.
+A prompt of half the long context is then timed and predicted, as a check of figures not fitted on it.
 
     tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --output cpu.json
 """
@@ -112,14 +116,15 @@ def calibrate(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, con
     from tidal.worker.memory import cache_budget_bytes
     short, long = contexts
     engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device="cpu", max_model_len=long + steps + 16,
-                                    max_num_seqs=max(batch, 1), kv_cache_memory_bytes=kv_cache_memory_bytes))
+                                    max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, long),
+                                    kv_cache_memory_bytes=kv_cache_memory_bytes))
     try:
         rates, bandwidth = gemm_rates(engine.runner.model, list(rows), torch.bfloat16, repeats)
         timer = _Steps(engine)
         t_one = timer.decode_step_time(1, short, steps)
         t_short = timer.decode_step_time(batch, short, steps)
         t_long = timer.decode_step_time(batch, long, steps)
-        t_prefill = timer.prefill_step_time(long, repeats)
+        t_prefill = {n: timer.prefill_step_time(n, repeats) for n in (long, long // 4, long // 2)}
     finally:
         engine.shutdown()
     profile = profile_model(model, dtype="bfloat16")
@@ -143,20 +148,40 @@ def calibrate(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, con
     request_overhead = max(0.0, (residual_batch - residual_one) / (batch - 1)) if batch > 1 else 0.0
     step_overhead = max(0.0, residual_one - request_overhead)
     device.step_overhead, device.request_overhead = step_overhead, request_overhead
-    predicted_prefill = CostModel(profile, device).step_time(StepShape.of([(long, 0, True)]))
+    # prompts: what a whole-prompt step takes beyond its predicted linear and head work is a cost per token
+    # (elementwise layers, inputs) plus attention's query-key FLOPs at their own rate; two lengths give both
+    def beyond(n: int) -> tuple[float, float]:
+        shape = StepShape.of([(n, 0, True)])
+        parts = CostModel(profile, device).breakdown(shape)
+        flops = 4 * profile.num_heads * profile.head_dim * shape.attn_pairs * profile.num_attn_layers
+        return t_prefill[n] - (sum(parts.values()) - parts["attention"]), flops
+    (y1, f1), (y2, f2) = beyond(long), beyond(long // 4)
+    det = long * f2 - long // 4 * f1
+    per_token, per_flop = ((y1 * f2 - y2 * f1) / det, (long * y2 - long // 4 * y1) / det) if det else (-1.0, 0.0)
+    if per_token < 0 or per_flop <= 0:
+        per_token, per_flop = 0.0, y1 / f1 if y1 > 0 and f1 else 0.0
+        notes.append("the two prompt lengths did not separate a per-token cost from attention: all of it is "
+                     "taken as attention")
+    # a decode step has one token per request: the per-request figure fitted on decodes already held it
+    device.token_overhead, device.request_overhead = per_token, max(0.0, request_overhead - per_token)
+    device.attention_flops = 1 / per_flop if per_flop > 0 else None
+    predicted_check = CostModel(profile, device).step_time(StepShape.of([(long // 2, 0, True)]))
     if residual_one < 0:
         notes.append("a one-request decode step ran faster than its predicted compute: step overhead set to 0")
     return {
         "base": "cpu", "name": f"cpu ({platform.node()}, {torch.get_num_threads()} threads)",
         "memory_bytes": _memory_bytes(), "peak_flops": device.peak_flops, "memory_bandwidth": bandwidth,
         "gemm_flops_by_rows": {str(k): v for k, v in rates.items()}, "attention_seconds_per_kv_byte": per_kv_byte,
-        "step_overhead": step_overhead, "layer_overhead": 0.0, "request_overhead": request_overhead,
+        "attention_flops": device.attention_flops, "token_overhead": device.token_overhead,
+        "step_overhead": step_overhead, "layer_overhead": 0.0, "request_overhead": device.request_overhead,
         "kv_cache_memory_bytes": cache_budget_bytes(None),
         "measured": {"model": model, "threads": torch.get_num_threads(), "batch": batch, "contexts": [short, long],
                      "decode_step_s": {f"1x{short}": t_one, f"{batch}x{short}": t_short,
                                        f"{batch}x{long}": t_long},
-                     # not fitted: how well the fitted figures predict a step they were not fitted on
-                     "prefill_step_s": {"tokens": long, "measured": t_prefill, "predicted": predicted_prefill},
+                     "prefill_step_s": {str(n): t for n, t in t_prefill.items()},
+                     # how well the fitted figures predict a step they were not fitted on
+                     "check_prefill_step_s": {"tokens": long // 2, "measured": t_prefill[long // 2],
+                                              "predicted": predicted_check},
                      "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "notes": notes,
     }
@@ -176,8 +201,10 @@ def main(args) -> int:
     rates = ", ".join(f"M={k}: {v / 1e9:.1f}" for k, v in result["gemm_flops_by_rows"].items())
     print(f"GEMM GFLOP/s ({rates}); bandwidth {result['memory_bandwidth'] / 1e9:.1f} GB/s; attention "
           f"{result['attention_seconds_per_kv_byte'] * 1e12:.1f} ps per KV byte; step overhead "
-          f"{result['step_overhead'] * 1e3:.2f} ms + {result['request_overhead'] * 1e6:.0f} us per request")
-    check = result["measured"]["prefill_step_s"]
+          f"{result['step_overhead'] * 1e3:.2f} ms + {result['request_overhead'] * 1e6:.0f} us per request + "
+          f"{result['token_overhead'] * 1e6:.1f} us per token; attention on prompts "
+          f"{(result['attention_flops'] or 0) / 1e9:.1f} GFLOP/s")
+    check = result["measured"]["check_prefill_step_s"]
     print(f"check: a {check['tokens']}-token prefill step took {check['measured'] * 1e3:.1f} ms, predicted "
           f"{check['predicted'] * 1e3:.1f} ms")
     for note in result["notes"]:

@@ -12,7 +12,8 @@ runs them one after the other):
 - tensor parallel: two all-reduces of [tokens, hidden] per layer and the logits' gather; pipeline
   parallel: the stages run one after the other inside a step (the engine drains the pipeline each
   step) and pass [tokens, hidden] between them;
-- host overhead: per step, per layer (kernel launches) and per scheduled request (sampling, outputs).
+- host overhead: per step, per layer (kernel launches), per scheduled request (sampling, outputs) and
+  per token (elementwise work and inputs; measured on CPU).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ class CostModel:
         attn_flops = 4 * m.num_heads * m.head_dim * shape.attn_pairs * m.num_attn_layers
         kv_bytes = m.kv_bytes_per_token * shape.kv_tokens_read
         per_byte = d.attention_seconds_per_kv_byte or 1 / bw
-        out["attention"] = max(attn_flops / d.peak_gemm_rate, kv_bytes * per_byte)
+        out["attention"] = max(attn_flops / (d.attention_flops or d.peak_gemm_rate), kv_bytes * per_byte)
         if m.num_mamba_layers:
             scan_flops = 10 * T * m.num_mamba_layers * m.mamba_d_inner * m.mamba_d_state
             out["mamba"] = max(scan_flops / d.vector_flops, 2 * shape.num_seqs * m.state_bytes_per_request / bw)
@@ -72,7 +73,8 @@ class CostModel:
         if pp > 1:
             comm += (pp - 1) * (d.interconnect_latency + T * m.hidden_size * m.act_bytes / d.interconnect_bandwidth)
         out["communication"] = comm
-        out["overhead"] = d.step_overhead + d.layer_overhead * m.num_layers + d.request_overhead * shape.num_seqs
+        out["overhead"] = d.step_overhead + d.layer_overhead * m.num_layers + d.request_overhead * shape.num_seqs \
+            + d.token_overhead * shape.num_tokens
         return out
 
     def step_time(self, shape: StepShape) -> float:

@@ -30,9 +30,11 @@ class Device:
     step_overhead: float = 2e-3
     layer_overhead: float = 40e-6
     request_overhead: float = 20e-6
+    token_overhead: float = 0.0          # per token of the step: elementwise work and inputs (measured on CPU)
     # measured (calibration file): achieved GEMM FLOP/s at a number of rows, and attention time per KV byte read
     gemm_flops_by_rows: dict[int, float] = field(default_factory=dict)
     attention_seconds_per_kv_byte: float | None = None
+    attention_flops: float | None = None  # achieved FLOP/s of attention's query-key products (prompts); None: GEMM peak
     kv_cache_memory_bytes: float | None = None  # the engine's cache budget where it is fixed (CPU: 4 GiB)
     source: str = "table"
 
