@@ -207,3 +207,26 @@ def test_calibrate_writes_a_device_the_planner_reads(tmp_path, tiny_model_dir, c
     assert main(["plan", "--model", tiny_model_dir("llama"), "--calibration", str(out), "--num-requests", "4",
                  "--input-len", "32", "--output-len", "8"]) == 0
     assert "simulated 4 requests" in capsys.readouterr().out
+
+
+def test_calibration_fit_recovers_the_figures_that_produced_the_steps(smollm2):
+    """Steps timed on a device of known figures (here: predicted by it) give those figures back."""
+    from tidal.planner.calibrate import Measurements, fit
+    truth = get_device("cpu")
+    truth.gemm_flops_by_rows, truth.memory_bandwidth = {1: 2e9, 64: 40e9, 1024: 80e9}, 2e9
+    truth.peak_flops = {"bf16": 80e9, "fp32": 40e9, "int8": 160e9}
+    truth.attention_seconds_per_kv_byte, truth.attention_flops = 4e-10, 20e9
+    truth.step_overhead, truth.request_overhead, truth.token_overhead = 2e-3, 60e-6, 5e-6
+    cost = CostModel(smollm2, truth)
+
+    def t(requests):
+        return cost.step_time(StepShape.of(requests))
+    m = Measurements(truth.gemm_flops_by_rows, 2e9, 8, 64, 1024, t([(1, 64, True)]), t([(1, 64, True)] * 8),
+                     t([(1, 1024, True)] * 8), {n: t([(n, 0, True)]) for n in (1024, 256, 512)})
+    device, notes = fit(smollm2, m)
+    assert notes == []
+    for name in ("attention_seconds_per_kv_byte", "attention_flops", "step_overhead", "request_overhead",
+                 "token_overhead"):
+        assert getattr(device, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    mixed = [(300, 0, True), (1, 700, True), (1, 40, True), (128, 512, False)]
+    assert CostModel(smollm2, device).step_time(StepShape.of(mixed)) == pytest.approx(t(mixed), rel=1e-6)

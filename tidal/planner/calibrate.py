@@ -23,12 +23,13 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from tidal.planner.cost import CostModel, StepShape
-from tidal.planner.devices import get_device
-from tidal.planner.model import profile_model
+from tidal.planner.devices import Device, get_device
+from tidal.planner.model import ModelProfile, profile_model
 
 
 def _time(fn, repeats: int) -> float:
@@ -109,78 +110,110 @@ class _Steps:
         return statistics.median(times[1:] if len(times) > 2 else times)
 
 
-def calibrate(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, contexts=(64, 1024),
-              steps: int = 20, repeats: int = 5, kv_cache_memory_bytes: int = 2**30) -> dict:
+@dataclass
+class Measurements:
+    """What calibrate times: GEMM FLOP/s by rows, the one-row bandwidth, and engine steps (s)."""
+    gemm_flops_by_rows: dict[int, float]
+    bandwidth: float
+    batch: int
+    short: int
+    long: int
+    decode_one: float          # one request at the short context
+    decode_short: float        # `batch` requests at the short context
+    decode_long: float         # `batch` requests at the long context
+    prefill: dict[int, float]  # a whole fresh prompt of n tokens: long, long // 4 (fitted) and long // 2 (check)
+
+
+def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, contexts=(64, 1024),
+            steps: int = 20, repeats: int = 5, kv_cache_memory_bytes: int = 2**30) -> Measurements:
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
-    from tidal.worker.memory import cache_budget_bytes
     short, long = contexts
+    if not 1 <= short < long or batch < 1:
+        raise ValueError(f"contexts must be 1 <= SHORT < LONG and batch >= 1, got {contexts}, {batch}")
     engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device="cpu", max_model_len=long + steps + 16,
-                                    max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, long),
+                                    max_num_seqs=batch, max_num_batched_tokens=max(2048, long),
                                     kv_cache_memory_bytes=kv_cache_memory_bytes))
     try:
         rates, bandwidth = gemm_rates(engine.runner.model, list(rows), torch.bfloat16, repeats)
         timer = _Steps(engine)
-        t_one = timer.decode_step_time(1, short, steps)
-        t_short = timer.decode_step_time(batch, short, steps)
-        t_long = timer.decode_step_time(batch, long, steps)
-        t_prefill = {n: timer.prefill_step_time(n, repeats) for n in (long, long // 4, long // 2)}
+        return Measurements(rates, bandwidth, batch, short, long, timer.decode_step_time(1, short, steps),
+                            timer.decode_step_time(batch, short, steps), timer.decode_step_time(batch, long, steps),
+                            {n: timer.prefill_step_time(n, repeats) for n in (long, long // 4, long // 2)})
     finally:
         engine.shutdown()
-    profile = profile_model(model, dtype="bfloat16")
+
+
+def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
+    """The device whose cost model reproduces the measured steps (see the module docstring), and notes on
+    any figure that could not be separated."""
     notes = []
-    added_kv = batch * (long - short) * profile.kv_bytes_per_token
-    per_kv_byte = (t_long - t_short) / added_kv if added_kv else 0.0
+    device = get_device("cpu")
+    device.gemm_flops_by_rows, device.memory_bandwidth = dict(m.gemm_flops_by_rows), m.bandwidth
+    peak = max(m.gemm_flops_by_rows.values())
+    device.peak_flops = {"bf16": peak, "fp32": peak / 2, "int8": 2 * peak}
+    device.step_overhead = device.request_overhead = device.layer_overhead = device.token_overhead = 0.0
+    device.source = "calibration"
+    added_kv = m.batch * (m.long - m.short) * profile.kv_bytes_per_token
+    per_kv_byte = (m.decode_long - m.decode_short) / added_kv if added_kv else 0.0
     if per_kv_byte <= 0:
         notes.append("the long-context steps were not slower than the short ones (a busy machine?): attention "
                      "per KV byte taken as one read at the measured bandwidth")
-        per_kv_byte = 1 / bandwidth
-    device = get_device("cpu")
-    device.gemm_flops_by_rows, device.memory_bandwidth = rates, bandwidth
-    device.peak_flops = {"bf16": max(rates.values()), "fp32": max(rates.values()) / 2, "int8": 2 * max(rates.values())}
-    device.attention_seconds_per_kv_byte, device.source = per_kv_byte, "calibration"
-    device.step_overhead = device.request_overhead = device.layer_overhead = 0.0
-    cost = CostModel(profile, device)
+        per_kv_byte = 1 / m.bandwidth
+    device.attention_seconds_per_kv_byte = per_kv_byte
 
-    def compute(b: int) -> float:  # the step's predicted work without host overhead
-        return cost.step_time(StepShape.of([(1, short, True)] * b))
-    residual_one, residual_batch = t_one - compute(1), t_short - compute(batch)
-    request_overhead = max(0.0, (residual_batch - residual_one) / (batch - 1)) if batch > 1 else 0.0
-    step_overhead = max(0.0, residual_one - request_overhead)
-    device.step_overhead, device.request_overhead = step_overhead, request_overhead
-    # prompts: what a whole-prompt step takes beyond its predicted linear and head work is a cost per token
-    # (elementwise layers, inputs) plus attention's query-key FLOPs at their own rate; two lengths give both
-    def beyond(n: int) -> tuple[float, float]:
+    def predicted(requests: list[tuple[int, int, bool]], without: str | None = None) -> float:
+        parts = CostModel(profile, device).breakdown(StepShape.of(requests))
+        return sum(v for k, v in parts.items() if k != without)
+
+    # decodes: what is left beyond the predicted work is a fixed part per step and a part per request
+    residual_one = m.decode_one - predicted([(1, m.short, True)])
+    residual_batch = m.decode_short - predicted([(1, m.short, True)] * m.batch)
+    request = max(0.0, (residual_batch - residual_one) / (m.batch - 1)) if m.batch > 1 else 0.0
+    if residual_one < 0:
+        notes.append("a one-request decode step ran faster than its predicted compute: step overhead set to 0")
+    device.step_overhead, device.request_overhead = max(0.0, residual_one - request), request
+    # prompts: beyond their predicted linear, head and overhead work, a cost per token past the first (the first
+    # is in the per-request figure) plus attention's query-key FLOPs at their own rate; two lengths give both
+    def beyond(n: int) -> tuple[float, float, float]:
         shape = StepShape.of([(n, 0, True)])
-        parts = CostModel(profile, device).breakdown(shape)
         flops = 4 * profile.num_heads * profile.head_dim * shape.attn_pairs * profile.num_attn_layers
-        return t_prefill[n] - (sum(parts.values()) - parts["attention"]), flops
-    (y1, f1), (y2, f2) = beyond(long), beyond(long // 4)
-    det = long * f2 - long // 4 * f1
-    per_token, per_flop = ((y1 * f2 - y2 * f1) / det, (long * y2 - long // 4 * y1) / det) if det else (-1.0, 0.0)
+        return n - 1, flops, m.prefill[n] - predicted([(n, 0, True)], without="attention")
+    (n1, f1, y1), (n2, f2, y2) = beyond(m.long), beyond(m.long // 4)
+    det = n1 * f2 - n2 * f1
+    per_token, per_flop = ((y1 * f2 - y2 * f1) / det, (n1 * y2 - n2 * y1) / det) if det else (-1.0, 0.0)
     if per_token < 0 or per_flop <= 0:
-        per_token, per_flop = 0.0, y1 / f1 if y1 > 0 and f1 else 0.0
+        per_token, per_flop = 0.0, (y1 / f1 if y1 > 0 and f1 else 0.0)
         notes.append("the two prompt lengths did not separate a per-token cost from attention: all of it is "
                      "taken as attention")
     # a decode step has one token per request: the per-request figure fitted on decodes already held it
-    device.token_overhead, device.request_overhead = per_token, max(0.0, request_overhead - per_token)
+    device.token_overhead, device.request_overhead = per_token, max(0.0, request - per_token)
     device.attention_flops = 1 / per_flop if per_flop > 0 else None
-    predicted_check = CostModel(profile, device).step_time(StepShape.of([(long // 2, 0, True)]))
-    if residual_one < 0:
-        notes.append("a one-request decode step ran faster than its predicted compute: step overhead set to 0")
+    return device, notes
+
+
+def calibrate(model: str, **kwargs) -> dict:
+    """Measure (keyword arguments: measure's) and fit; returns the device file's contents."""
+    from tidal.worker.memory import cache_budget_bytes
+    m = measure(model, **kwargs)
+    profile = profile_model(model, dtype="bfloat16")
+    device, notes = fit(profile, m)
+    check = m.long // 2
+    predicted_check = CostModel(profile, device).step_time(StepShape.of([(check, 0, True)]))
+    keys = ("peak_flops", "memory_bandwidth", "attention_seconds_per_kv_byte", "attention_flops", "step_overhead",
+            "layer_overhead", "request_overhead", "token_overhead")
     return {
         "base": "cpu", "name": f"cpu ({platform.node()}, {torch.get_num_threads()} threads)",
-        "memory_bytes": _memory_bytes(), "peak_flops": device.peak_flops, "memory_bandwidth": bandwidth,
-        "gemm_flops_by_rows": {str(k): v for k, v in rates.items()}, "attention_seconds_per_kv_byte": per_kv_byte,
-        "attention_flops": device.attention_flops, "token_overhead": device.token_overhead,
-        "step_overhead": step_overhead, "layer_overhead": 0.0, "request_overhead": device.request_overhead,
-        "kv_cache_memory_bytes": cache_budget_bytes(None),
-        "measured": {"model": model, "threads": torch.get_num_threads(), "batch": batch, "contexts": [short, long],
-                     "decode_step_s": {f"1x{short}": t_one, f"{batch}x{short}": t_short,
-                                       f"{batch}x{long}": t_long},
-                     "prefill_step_s": {str(n): t for n, t in t_prefill.items()},
+        "memory_bytes": _memory_bytes(), **{k: getattr(device, k) for k in keys},
+        "gemm_flops_by_rows": {str(k): v for k, v in m.gemm_flops_by_rows.items()},
+        "kv_cache_memory_bytes": cache_budget_bytes(None),  # the engine's own CPU budget
+        "measured": {"model": model, "threads": torch.get_num_threads(), "batch": m.batch,
+                     "contexts": [m.short, m.long],
+                     "decode_step_s": {f"1x{m.short}": m.decode_one, f"{m.batch}x{m.short}": m.decode_short,
+                                       f"{m.batch}x{m.long}": m.decode_long},
+                     "prefill_step_s": {str(n): t for n, t in m.prefill.items()},
                      # how well the fitted figures predict a step they were not fitted on
-                     "check_prefill_step_s": {"tokens": long // 2, "measured": t_prefill[long // 2],
+                     "check_prefill_step_s": {"tokens": check, "measured": m.prefill[check],
                                               "predicted": predicted_check},
                      "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "notes": notes,
