@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--slo-tpot", type=float, default=None, help="ms: find the highest rate meeting it")
     o.add_argument("--slo-percentile", choices=["p50", "p99"], default="p99")
     o.add_argument("--sweep", type=float, nargs="*", default=None,
-                   help="request rates to tabulate (no value: fractions of the saturation rate)")
+                   help="request rates to tabulate (no value: 0.1 to 2 x the saturation rate)")
     o.add_argument("--plot", default=None, help="PNG of latency against request rate (needs matplotlib)")
     o.add_argument("--output-json", default=None)
 
@@ -150,7 +150,7 @@ def run(args) -> int:
                 verdict = f"{rate:.3g} req/s ({s['output_throughput']:.0f} output tok/s)"
             print(f"highest request rate with {slo}: {verdict}")
         if args.sweep is not None or args.plot:
-            rates = args.sweep or [saturation * f for f in (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25)]
+            rates = args.sweep or [saturation * f for f in (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
             points = [(r, at(r)[0]) for r in rates]
             out["sweep"] = [{"request_rate": r, **s} for r, s in points]
             print(report.sweep_table(points))

@@ -99,6 +99,7 @@ def plot_latency(points: list[tuple[float, dict]], path: str, title: str) -> str
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): no plot written"
     rates = [r for r, _ in points]
@@ -106,10 +107,12 @@ def plot_latency(points: list[tuple[float, dict]], path: str, title: str) -> str
     for key, style in (("p50", "-o"), ("p99", "--o")):
         ax1.plot(rates, [s[f"{key}_ttft_ms"] for _, s in points], style, label=f"TTFT {key}")
         ax2.plot(rates, [s[f"{key}_tpot_ms"] for _, s in points], style, label=f"TPOT {key}")
+    ax1.set_yscale("log")  # TTFT grows without bound past saturation (the queue); TPOT levels off
+    ax1.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax2.set_ylim(bottom=0)
     for ax, what in ((ax1, "time to first token (ms)"), (ax2, "time per output token (ms)")):
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(what)
-        ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title)
