@@ -78,8 +78,10 @@ class _Steps:
             g = torch.Generator().manual_seed(self.counter)
             prompt = torch.randint(0, self.engine.vocab_size, (context,), generator=g).tolist()
             rid = f"calibrate-{self.counter}"
-            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                detokenize=False))
+            # detokenized, as the benchmarks' requests are, when the model has a tokenizer
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                    detokenize=self.engine.tokenizer is not None)
+            self.engine.add_request(rid, prompt, params)
             ids.append(rid)
         return ids
 
