@@ -230,3 +230,26 @@ def test_calibration_fit_recovers_the_figures_that_produced_the_steps(smollm2):
         assert getattr(device, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     mixed = [(300, 0, True), (1, 700, True), (1, 40, True), (128, 512, False)]
     assert CostModel(smollm2, device).step_time(StepShape.of(mixed)) == pytest.approx(t(mixed), rel=1e-6)
+
+
+def test_the_simulation_schedules_as_the_engine_does(tiny_model_dir):
+    """Same requests, same cache: the simulated run takes the engine's own number of steps and preemptions
+    (counts, not times: the schedule does not depend on the cost model when all requests arrive at once)."""
+    from tests.helpers import random_prompts, tiny_llm
+    from tidal.planner.workload import from_requests
+    from tidal.sampling_params import SamplingParams
+    path = tiny_model_dir("llama")
+    profile = profile_model(path, dtype="float32")
+    budget = 48 * 16 * profile.kv_bytes_per_token  # 48 blocks: preemptions
+    prompts = random_prompts(24, 20, 100, 512, seed=3)
+    outputs = [10 + 7 * i % 31 for i in range(24)]
+    llm = tiny_llm(path, kv_cache_memory_bytes=budget, max_num_batched_tokens=256)
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in outputs], use_tqdm=False)
+    stats = llm.llm_engine.stats
+    requests = from_requests([{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, outputs)])
+    result = simulate(profile, get_device("cpu"), requests,
+                      EngineSettings(kv_cache_memory_bytes=budget, max_num_batched_tokens=256))
+    assert stats.num_preemptions > 0, stats.num_preemptions
+    assert (result.num_steps, result.num_preemptions) == (stats.num_steps, stats.num_preemptions), \
+        (result.num_steps, result.num_preemptions)
