@@ -11,7 +11,7 @@ from tidal.planner.devices import get_device, load_calibration
 from tidal.planner.model import profile_model
 from tidal.planner.report import highest_rate, requests_that_fit, summarize
 from tidal.planner.simulator import EngineSettings, simulate
-from tidal.planner.workload import SimRequest, WorkloadSpec, load_trace, synthesize
+from tidal.planner.workload import SimRequest, WorkloadSpec, at_rate, load_trace, synthesize
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,7 @@ def test_trace_file(tmp_path, smollm2):
     assert [r.arrival_time for r in reqs] == [0.0, 0.5] and len(reqs[1].prompt_token_ids) == 40
     result = simulate(smollm2, get_device("cpu"), reqs)
     assert all(r.first_token_time > r.arrival_time for r in result.records)
+    assert [r.arrival_time for r in at_rate(reqs, 8.0)] == [0.0, 0.25]  # 2 requests over 0.25 s: 8 per second
 
 
 # -- the command line -----------------------------------------------------------------------------------------

@@ -90,7 +90,9 @@ def _calibrate(args) -> int:
 def build_requests(args, rate: float):
     from tidal.planner import workload
     if args.trace:
-        return workload.load_trace(args.trace, rate, args.seed)
+        requests = workload.load_trace(args.trace, args.request_rate, args.seed)
+        # the trace as given at --request-rate; other rates (SLO search, sweep) replay it faster or slower
+        return requests if rate == args.request_rate else workload.at_rate(requests, rate)
     if args.workload:
         from tidal.benchmarks import datasets
         return workload.from_requests(datasets.WORKLOADS[args.workload](), rate, args.burstiness, args.seed)

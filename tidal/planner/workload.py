@@ -5,7 +5,8 @@ gamma process of the given rate (burstiness 1: Poisson; `tidal bench serve`'s ow
 a benchmark with the same seed see the same arrivals), and may start every prompt with one of a few
 shared prefixes (what the prefix cache can reuse). A trace file is a JSON list (or JSON lines) of
 {"arrival_time": s, "prompt_len": n or "prompt_token_ids": [...], "output_len" or "max_tokens": n};
-requests without an arrival time arrive at the request rate.
+requests without an arrival time arrive at the request rate. `at_rate` replays a trace faster or slower
+(its arrival times scaled to a mean rate), as the SLO search and the rate sweep do.
 
 Token ids only need to make prompts distinct where they are meant to be: they are drawn from [0, 256)
 (CPython's shared small ints, so a long prompt costs 8 bytes a token; 16 tokens a block make a repeat
@@ -103,3 +104,14 @@ def load_trace(path: str, request_rate: float = float("inf"), seed: int = 0) -> 
         out.append(SimRequest(float(row.get("arrival_time", default_arrivals[i])), list(ids), int(n_out)))
     out.sort(key=lambda r: r.arrival_time)
     return out
+
+
+def at_rate(requests: list[SimRequest], rate: float) -> list[SimRequest]:
+    """The same requests with arrival times scaled so that they arrive at `rate` per second on average
+    (inf: all at once)."""
+    span = max(r.arrival_time for r in requests)
+    if rate == float("inf") or span <= 0:
+        scale = 0.0
+    else:
+        scale = len(requests) / span / rate
+    return [SimRequest(r.arrival_time * scale, r.prompt_token_ids, r.max_tokens) for r in requests]
