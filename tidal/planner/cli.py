@@ -173,6 +173,9 @@ def describe(profile, device, plan, fit: list[dict], s: dict, args) -> str:
              f"quantization {profile.quantization or 'none'}, KV cache {profile.kv_cache_dtype}",
              f"  per device: weights {profile.weight_bytes / gb:.2f} GB, KV {profile.kv_bytes_per_token} B per token, "
              f"Mamba state {profile.state_bytes_per_request / 2**20:.2f} MiB per request"]
+    if device.name == "cpu" and device.source == "table":
+        lines.append("  (the cpu row holds placeholder figures: `tidal plan calibrate` measures this machine, "
+                     "then pass --calibration FILE)")
     if not plan.fits:
         lines.append(f"  DOES NOT FIT: {plan.reason}")
         return "\n".join(lines)
