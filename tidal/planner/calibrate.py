@@ -126,7 +126,7 @@ class Measurements:
     prefill: dict[int, float]  # a whole fresh prompt of n tokens: long, long // 4 (fitted) and long // 2 (check)
 
 
-def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024), batch: int = 8, contexts=(64, 1024),
+def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024, 2048), batch: int = 8, contexts=(64, 1024),
             steps: int = 20, repeats: int = 5, kv_cache_memory_bytes: int = 2**30) -> Measurements:
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine

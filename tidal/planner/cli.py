@@ -74,7 +74,8 @@ def register(subparsers) -> None:
     c.add_argument("--model", default=os.path.join(os.path.expanduser("~/.cache/tidal-peers"), "smollm2-135m-instruct"),
                    help="a model folder (bf16 is timed)")
     c.add_argument("--output", default="tidal-calibration.json")
-    c.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    c.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048],
+                   help="rows of the timed products (2048: the default step budget of tokens)")
     c.add_argument("--batch", type=int, default=8)
     c.add_argument("--contexts", type=int, nargs=2, default=[64, 1024], metavar=("SHORT", "LONG"))
     c.add_argument("--steps", type=int, default=20)
