@@ -6,6 +6,7 @@ Names and defaults follow vLLM, so code written for vLLM's offline API runs unch
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tidal.structured_outputs.params import GuidedDecodingParams, StructuredOutputsParams
@@ -13,11 +14,18 @@ from tidal.structured_outputs.params import GuidedDecodingParams, StructuredOutp
 __all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 _GREEDY_EPS = 1e-5
+_MAX_INT32 = 2**31 - 1  # top_k is a tensor element; the sampler clamps it to the vocabulary
+
+
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _check(ok: bool, name: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        text = repr(value)  # cut: a refused value may be a huge list or string
+        raise ValueError(f"{name} must be {allowed}, got {text if len(text) <= 200 else text[:200] + '...'}")
 
 
 @dataclass
@@ -61,12 +69,14 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, value, "a number")
+            # NaN and infinity pass every range check below (or break the sampler): refuse them here
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                   name, value, "a finite number")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
-               "0 or -1 (disabled) or a positive integer")
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k <= _MAX_INT32, "top_k", self.top_k,
+               f"0 or -1 (disabled) or an integer in [1, {_MAX_INT32}]")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
         # torch.Generator takes 64-bit seeds; the n samples of a request use seed, seed + 1, ...
         _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed
@@ -89,10 +99,17 @@ class SamplingParams:
         _check(self.prompt_logprobs is None
                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                "prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20] or None")
+        # Every stop string and id is checked on every generated token of the request, inside the
+        # engine's step: bounded, so that one request cannot slow down all the others.
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "a list of non-empty strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+               "stop", self.stop,
+               f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "a list of non-negative token ids")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", self.stop_token_ids,
+               f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")
         _check(self.output_kind in ("final", "cumulative", "delta"), "output_kind", self.output_kind,
                "'final', 'cumulative' or 'delta'")
         _check(isinstance(self.extra, dict) and not self.extra, "extra", self.extra,

@@ -6,7 +6,9 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
 /version, /metrics, and the live dashboard /dashboard (tidal/entrypoints/openai/dashboard.py). Every
 error is OpenAI's JSON error body; with an API key set, every route but /health and the dashboard's
-page needs `Authorization: Bearer <key>`. A non-streaming request whose client
+page needs `Authorization: Bearer <key>` (compared in constant time, never logged). What hostile
+input is refused before a handler runs (body size, non-text JSON, limits, CORS): input_guard.py.
+A non-streaming request whose client
 disconnects is cancelled (and its engine request aborted) like a streaming one.
 """
 from __future__ import annotations
@@ -23,6 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tidal
 from tidal.engine.async_llm import AsyncLLM
 from tidal.entrypoints.openai.dashboard import add_dashboard_routes, checks_own_key
+from tidal.entrypoints.openai.input_guard import (
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    RequestBodyLimit,
+    add_cors,
+)
 from tidal.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,6 +57,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if getattr(cause, "param", None):  # a ValueError naming its field (protocol's checks)
+        return APIError(400, str(cause), cause.param)
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -83,9 +94,11 @@ async def _cancel_on_disconnect(request: Request, coro):
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
               metrics: ServerMetrics | None = None, max_log_len: int | None = None,
               log_requests: bool = True, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+              max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     ctx = ServingContext(async_llm, served_model_name, max_log_len, log_requests, chat_template,
-                         enable_auto_tool_choice, tool_call_parser)
+                         enable_auto_tool_choice, tool_call_parser, max_logprobs)
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     app = FastAPI(title="Tidal OpenAI-compatible server", version=tidal.__version__)
     app.state.ctx = ctx
@@ -107,6 +120,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         logger.exception("internal error")
         return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
 
+    if max_request_body_bytes is not None:  # inside the API-key check: no body is read for a wrong key
+        app.add_middleware(RequestBodyLimit, max_bytes=max_request_body_bytes)
+
     if api_key:
         expected = f"Bearer {api_key}".encode()
 
@@ -120,6 +136,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                                                    "'Authorization: Bearer <key>'", None, "invalid_api_key"),
                                         status_code=401)
             return await call_next(request)
+
+    add_cors(app, allowed_origins)  # outermost: a refused key still carries the CORS headers
 
     async def _respond(request: Request, handler, body):
         try:

@@ -5,7 +5,8 @@
 
 Every engine flag of the CLI is accepted (see `tidal serve --help`), plus the server's own:
 --host, --port, --api-key (or TIDAL_API_KEY), --max-log-len, --disable-log-requests,
---uvicorn-log-level, --chat-template, --enable-auto-tool-choice, --tool-call-parser.
+--uvicorn-log-level, --chat-template, --enable-auto-tool-choice, --tool-call-parser,
+--max-request-body-bytes, --max-logprobs, --allowed-origins.
 """
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ import logging
 import os
 
 from tidal.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tidal.entrypoints.openai.input_guard import (
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    parse_allowed_origins,
+)
 from tidal.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("tidal.entrypoints.openai")
@@ -40,6 +46,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's text when tool_choice is \"auto\"")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="refuse a request body larger than this with 413, before reading it whole "
+                        f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES} = {DEFAULT_MAX_REQUEST_BODY_BYTES >> 20} MiB; "
+                        "0: no limit)")
+    g.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                   help="the most logprobs, top_logprobs or prompt_logprobs a request may ask for "
+                        f"(default {DEFAULT_MAX_LOGPROBS}, at most 20)")
+    g.add_argument("--allowed-origins", default=None,
+                   help="origins allowed to call the server from a browser (CORS), as a JSON list or "
+                        "comma-separated, e.g. 'https://app.example.com'; '*' for any (default: none, CORS off)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of uvicorn (access logs at info)")
@@ -63,6 +79,17 @@ def _validate(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("tidal serve: --enable-auto-tool-choice needs --tool-call-parser (one of "
                          f"{', '.join(sorted(TOOL_PARSERS))})")
+    if args.max_request_body_bytes < 0:
+        raise SystemExit(f"tidal serve: --max-request-body-bytes must be >= 0 (0: no limit), "
+                         f"got {args.max_request_body_bytes}")
+    if not 0 <= args.max_logprobs <= 20:
+        raise SystemExit(f"tidal serve: --max-logprobs must be in [0, 20] (Tidal returns at most 20 logprobs "
+                         f"per token), got {args.max_logprobs}")
+    if args.allowed_origins is not None:
+        try:
+            args.allowed_origins = parse_allowed_origins(args.allowed_origins)
+        except ValueError as e:
+            raise SystemExit(f"tidal serve: {e}") from e
     if args.chat_template is not None and os.path.isfile(args.chat_template):
         with open(args.chat_template) as f:
             args.chat_template = f.read()
@@ -89,7 +116,9 @@ def run_server(args: argparse.Namespace) -> int:
     async_llm = AsyncLLM(engine, step_hook=metrics)
     app = build_app(async_llm, name, api_key=args.api_key, metrics=metrics, max_log_len=args.max_log_len,
                     log_requests=not args.disable_log_requests, chat_template=args.chat_template,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    max_logprobs=args.max_logprobs, max_request_body_bytes=args.max_request_body_bytes or None,
+                    allowed_origins=args.allowed_origins)
     plan = engine.kv_plan
     logger.info("Serving %s (model %s, %s) on http://%s:%d/v1 — max_model_len %d, KV cache %d tokens "
                 "(%d blocks of %d, %.1f MiB)%s", name, config.model or engine.model_name,

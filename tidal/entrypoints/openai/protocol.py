@@ -2,7 +2,9 @@
 
 Requests refuse unknown fields (400 naming the field) and refuse known OpenAI features Tidal
 does not implement yet (logit_bias, the deprecated `functions`, ...) instead of silently
-ignoring them. Responses are built as these models and serialised with `model_dump()`.
+ignoring them. Before any field is read, a body holding a string that is not Unicode text (a
+lone UTF-16 surrogate) or JSON nested too deep is refused, naming the field (input_guard.py).
+Responses are built as these models and serialised with `model_dump()`.
 """
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tidal.entrypoints.openai.input_guard import find_bad_json
 from tidal.entrypoints.openai.protocol_structured import (  # noqa: F401 (re-exported)
     ResponseFormat,
     StructuredFields,
@@ -27,6 +30,14 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, data):
+        bad = find_bad_json(data)
+        if bad is not None:
+            raise UnsupportedFieldError(*bad)
+        return data
 
 
 class StreamOptions(_Request):

@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError
+from tidal.entrypoints.openai.input_guard import DEFAULT_MAX_LOGPROBS, check_request_limits
 
 logger = logging.getLogger("tidal.entrypoints.openai")
 
@@ -28,7 +29,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param,
                       "code": code if code is not None else status}}
 
 
@@ -56,7 +58,7 @@ class ServingContext:
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str, max_log_len: int | None = None,
                  log_requests: bool = True, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.async_llm = async_llm
         self.engine = async_llm.engine
         self.served_model_name = served_model_name
@@ -67,6 +69,13 @@ class ServingContext:
         self.chat_template = chat_template  # overrides the model's (--chat-template)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
+        self.max_logprobs = max_logprobs  # --max-logprobs
+        config = getattr(self.engine, "config", None)
+        self.max_n = getattr(config, "max_num_seqs", 256)  # n above it could never run as one batch
+
+    def check_limits(self, request) -> None:
+        """The server's limits on n and the logprobs fields (APIError 400 naming the field)."""
+        check_request_limits(request, self.max_n, self.max_logprobs)
 
     def check_params(self, params, constraint_field: str | None) -> None:
         """The engine's checks of a request's SamplingParams (an invalid schema, regex or grammar is
@@ -107,14 +116,21 @@ class ServingContext:
         return max_tokens
 
     def log_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params) -> None:
+        """One INFO line per request without its content; the prompt, token ids and sampling
+        params (which hold stop strings and schemas) only at DEBUG: users' text stays out of logs
+        at the default level."""
         if not self.log_requests:
+            return
+        logger.info("Received request %s: %d prompt tokens, n %d, max_tokens %s", request_id,
+                    len(prompt_token_ids), params.n, params.max_tokens)
+        if not logger.isEnabledFor(logging.DEBUG):
             return
         ids = prompt_token_ids
         if self.max_log_len is not None:
             prompt = prompt[:self.max_log_len] if prompt is not None else None
             ids = ids[:self.max_log_len]
-        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids (%d): %s", request_id,
-                    prompt, params, len(prompt_token_ids), ids)
+        logger.debug("Request %s: prompt: %r, params: %s, prompt_token_ids (%d): %s", request_id,
+                     prompt, params, len(prompt_token_ids), ids)
 
 
 def sse(data: dict | str) -> str:

@@ -133,6 +133,7 @@ class ChatHandler:
         ctx = self.ctx
         ctx.check_alive()
         ctx.check_model(request.model)
+        ctx.check_limits(request)
         try:
             request.check_unsupported()
             tools = setup_tools(request, ctx.enable_auto_tool_choice, ctx.tool_call_parser)
@@ -151,8 +152,8 @@ class ChatHandler:
             else request.max_tokens
         max_tokens = ctx.max_tokens_for(len(ids), max_tokens, "messages")
         top_n = request.top_logprobs or 0
-        if request.logprobs and not 0 <= top_n <= 20:
-            raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top_n}", "top_logprobs")
+        if request.logprobs and top_n < 0:
+            raise APIError(400, f"top_logprobs must be an integer >= 0, got {top_n}", "top_logprobs")
         try:
             params = request.sampling_params(max_tokens, top_n if request.logprobs else None,
                                              request.prompt_logprobs, structured)

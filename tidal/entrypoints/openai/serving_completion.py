@@ -69,6 +69,7 @@ class CompletionHandler:
         ctx = self.ctx
         ctx.check_alive()
         ctx.check_model(request.model)
+        ctx.check_limits(request)
         try:
             request.check_unsupported()
             structured = request.structured_outputs_params()
