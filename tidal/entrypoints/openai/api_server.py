@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,11 +63,24 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, str(cause), cause.param)
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = _field_path(first.get("loc", ())) or None
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unknown field {param!r}: Tidal does not support it", param)
     return APIError(400, f"{param or 'body'}: {first.get('msg')} (got {first.get('input')!r})", param)
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's name of a union member
+
+
+def _field_path(loc) -> str:
+    """pydantic's error location as the request field: messages[0].content, not body.messages.0.content.str."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and not _UNION_TAG.match(part):
+            path += f".{part}" if path else part
+    return path
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -92,8 +92,8 @@ def find_bad_json(data, max_depth: int = MAX_JSON_DEPTH) -> tuple[str, str] | No
             continue
         if not isinstance(value, (dict, list)):
             continue
-        if depth >= max_depth:
-            return path or "body", f"is nested more than {max_depth} levels deep"
+        if depth >= max_depth:  # named by its top-level field: the full path would be max_depth long
+            return path.split(".")[0].split("[")[0] or "body", f"is nested more than {max_depth} levels deep"
         if isinstance(value, dict):
             for key, item in value.items():
                 if isinstance(key, str):

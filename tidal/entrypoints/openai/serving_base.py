@@ -34,7 +34,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code if code is not None else status}}
 
 
-_PARAM_RE = re.compile(r"^(\w+) must\b")
+_PARAM_RE = re.compile(r"^([a-z_]+) (?:must\b|-?\d)")  # "top_p must be ...", "stop_token_ids 99 is ..."
 
 
 def bad_request(error: ValueError, default_param: str | None = None) -> APIError:
