@@ -269,7 +269,8 @@ def _fuzz(server, tmp_path, max_examples: int, phases: str) -> dict[int, int]:
            "--checks", "not_a_server_error", "--phases", phases, "--max-examples", str(max_examples),
            "--workers", "1", "--request-timeout", "60", "--continue-on-failure", "--seed", "1",
            "--header", f"Authorization: Bearer {API_KEY}", "--report", "ndjson", "--report-dir", str(report)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=dict(os.environ, NO_COLOR="1"))
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=tmp_path,  # its cache there
+                         env=dict(os.environ, NO_COLOR="1"))
     statuses: dict[int, int] = {}
 
     def walk(x):
