@@ -90,6 +90,23 @@ def test_out_of_range_sampling_values(llm, good, field, value):
                                field, repr(value))
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", float("inf"), "finite"), ("temperature", float("nan"), "finite"),
+    ("top_p", float("nan"), "finite"), ("repetition_penalty", float("inf"), "finite"),
+    ("presence_penalty", float("-inf"), "finite"), ("top_k", 2**31, "2147483647"),
+    ("stop", ["ab"] * 257, "at most 256 strings"), ("stop", "x" * 4097, "4096 characters"),
+    ("stop_token_ids", [1] * 1025, "at most 1024")])
+def test_non_finite_and_unbounded_sampling_values(llm, good, field, value, message):
+    """NaN and infinity pass range checks (or break the sampler), and a huge stop list is checked on
+    every token inside the step: each is refused by name, with the value cut to a readable length."""
+    def call(m):
+        m.generate(good, SamplingParams(max_tokens=4, **{field: value}), use_tqdm=False)
+    with pytest.raises(ValueError, match=field) as e:
+        call(llm)
+    assert message in str(e.value) and len(str(e.value)) < 400
+    assert_refused_then_usable(llm, call, field)
+
+
 def test_stop_token_id_outside_the_vocabulary(llm, good):
     """Found inside a step, it would fail the whole batch (min_tokens masks stop ids by index)."""
     params = [SamplingParams(), SamplingParams(min_tokens=2, stop_token_ids=[7, 10**6])]
