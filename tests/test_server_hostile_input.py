@@ -142,11 +142,11 @@ HOSTILE = {
     "lone surrogate tokenize": (TOK, _j({"prompt": "\ud800"}), "prompt", "surrogate"),
     "lone surrogate key": (CHAT, _j({"messages": USER, "chat_template_kwargs": {"\ud800": 1}}),
                            "chat_template_kwargs", "surrogate"),
-    "invalid UTF-8": (C, b'{"prompt": "\xff\xfe"}', None, ""),
+    "invalid UTF-8": (C, b'{"prompt": "\xff\xfe"}', None, "not valid UTF-8"),
     "nested 100 deep": (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": '
                         + b"[" * 100 + b"]" * 100 + b"}}", "chat_template_kwargs", "nested"),
     "nested 100000 deep": (C, b'{"prompt": "x", "structured_outputs": ' + b"[" * 100_000 + b"]" * 100_000
-                           + b"}", None, ""),
+                           + b"}", None, "nested too deep"),
     "guided_json nested 900 deep": (C, b'{"prompt": "x", "guided_json": ' + b'{"items": ' * 900 + b"{}"
                                     + b"}" * 900 + b"}", "guided_json", "nested"),
     "malformed JSON": (C, b'{"prompt": ', None, "JSON"),

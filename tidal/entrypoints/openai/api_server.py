@@ -31,6 +31,7 @@ from tidal.entrypoints.openai.input_guard import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     RequestBodyLimit,
     add_cors,
+    body_error_message,
 )
 from tidal.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -127,7 +128,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        return JSONResponse(error_body(exc.status_code, body_error_message(exc, str(exc.detail))),
+                            status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):

@@ -104,6 +104,18 @@ def find_bad_json(data, max_depth: int = MAX_JSON_DEPTH) -> tuple[str, str] | No
     return None
 
 
+def body_error_message(exc: BaseException, detail: str) -> str:
+    """What is wrong with a body that could not be parsed (FastAPI says only "There was an error
+    parsing the body" and keeps the cause)."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        bad = cause.object[cause.start:cause.start + 1]
+        return f"the body is not valid UTF-8 (byte {bad!r} at offset {cause.start})"
+    if isinstance(cause, RecursionError):
+        return f"the body's JSON is nested too deep (at most {MAX_JSON_DEPTH} levels)"
+    return detail
+
+
 def check_request_limits(request, max_n: int, max_logprobs: int) -> None:
     """The server's limits on a completion or chat request; APIError 400 naming the field."""
     from tidal.entrypoints.openai.serving_base import APIError
