@@ -42,7 +42,7 @@ from tidal.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from tidal.entrypoints.openai.serving_base import APIError, ServingContext, bad_request, error_body
-from tidal.entrypoints.openai.serving_chat import ChatHandler, render_chat
+from tidal.entrypoints.openai.serving_chat import ChatHandler, message_texts, render_chat
 from tidal.entrypoints.openai.serving_completion import CompletionHandler
 from tidal.entrypoints.openai.tool_calls import check_tools
 from tidal.metrics import CONTENT_TYPE, ServerMetrics
@@ -204,6 +204,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if ctx.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", "prompt")
+        if body.messages is not None:
+            ctx.check_text_length(message_texts(body.messages), "messages")
+        else:
+            ctx.check_text_length([body.prompt], "prompt")
         try:
             if body.messages is not None:
                 _, ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt,

@@ -116,6 +116,22 @@ def body_error_message(exc: BaseException, detail: str) -> str:
     return detail
 
 
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of this vocabulary stands for (its longest token string: a
+    byte-level token's string has one character per byte, and a byte holds at most one character)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def check_text_length(texts, max_chars: int, max_model_len: int, field: str) -> None:
+    """Refuse text that cannot fit in max_model_len tokens, by its length alone: tokenizing (or
+    rendering a chat of) megabytes blocks the server's event loop for seconds."""
+    from tidal.entrypoints.openai.serving_base import APIError
+    num_chars = sum(len(t) for t in texts if isinstance(t, str))
+    if num_chars > max_chars:
+        raise APIError(400, f"{field} has {num_chars} characters: more than max_model_len ({max_model_len}) "
+                            f"tokens can hold ({max_chars} characters)", field)
+
+
 def check_request_limits(request, max_n: int, max_logprobs: int) -> None:
     """The server's limits on a completion or chat request; APIError 400 naming the field."""
     from tidal.entrypoints.openai.serving_base import APIError

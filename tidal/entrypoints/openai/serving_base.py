@@ -9,7 +9,12 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError
-from tidal.entrypoints.openai.input_guard import DEFAULT_MAX_LOGPROBS, check_request_limits
+from tidal.entrypoints.openai.input_guard import (
+    DEFAULT_MAX_LOGPROBS,
+    check_request_limits,
+    check_text_length,
+    max_token_chars,
+)
 
 logger = logging.getLogger("tidal.entrypoints.openai")
 
@@ -73,9 +78,17 @@ class ServingContext:
         config = getattr(self.engine, "config", None)
         self.max_n = getattr(config, "max_num_seqs", 256)  # n above it could never run as one batch
 
+        self.max_prompt_chars = None if self.tokenizer is None else \
+            self.max_model_len * max_token_chars(self.tokenizer)
+
     def check_limits(self, request) -> None:
         """The server's limits on n and the logprobs fields (APIError 400 naming the field)."""
         check_request_limits(request, self.max_n, self.max_logprobs)
+
+    def check_text_length(self, texts, field: str) -> None:
+        """Refuse text far too long for the context before tokenizing it (APIError 400)."""
+        if self.max_prompt_chars is not None:
+            check_text_length(texts, self.max_prompt_chars, self.max_model_len, field)
 
     def check_params(self, params, constraint_field: str | None) -> None:
         """The engine's checks of a request's SamplingParams (an invalid schema, regex or grammar is

@@ -91,6 +91,17 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict]:
     return conversation
 
 
+def message_texts(messages: list[ChatMessage]) -> list[str]:
+    """The text of every message (content strings and text parts), to bound before rendering."""
+    texts = []
+    for m in messages:
+        if isinstance(m.content, str):
+            texts.append(m.content)
+        elif isinstance(m.content, list):
+            texts += [part.get("text") for part in m.content if isinstance(part.get("text"), str)]
+    return texts
+
+
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template: str | None = None,
                 chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
@@ -134,6 +145,7 @@ class ChatHandler:
         ctx.check_alive()
         ctx.check_model(request.model)
         ctx.check_limits(request)
+        ctx.check_text_length(message_texts(request.messages), "messages")
         try:
             request.check_unsupported()
             tools = setup_tools(request, ctx.enable_auto_tool_choice, ctx.tool_call_parser)

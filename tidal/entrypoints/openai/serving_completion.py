@@ -77,6 +77,7 @@ class CompletionHandler:
             raise bad_request(e) from e
         prompts = []
         for p in _prompts(request):
+            ctx.check_text_length([p], "prompt")
             try:
                 prompts.append(ctx.async_llm.process_prompt(p))
             except ValueError as e:
