@@ -314,3 +314,78 @@ def test_fuzzed_requests_get_no_server_error(server, baseline_text, tmp_path):
 def test_fuzzed_requests_get_no_server_error_long(server, baseline_text, tmp_path):
     statuses = _fuzz(server, tmp_path, max_examples=300, phases="examples,coverage,fuzzing")
     _check_fuzz(server, baseline_text, statuses, at_least=1000)
+
+
+# -- hypothesis: valid bodies with one to three fields made hostile -----------------------------------
+# Schemathesis mostly sends bodies that fail validation early; these reach the engine: a valid request
+# with a few fields set to random (often extreme) values of any JSON type.
+FIELDS = {
+    C: ["prompt", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs",
+        "echo", "stream", "ignore_eos", "best_of", "cache_salt", "include_stop_str_in_output", "skip_special_tokens",
+        "guided_choice", "guided_regex", "stream_options", "model", "user"],
+    CHAT: ["messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_k", "seed", "stop", "logprobs",
+           "top_logprobs", "stream", "tools", "tool_choice", "response_format", "chat_template_kwargs",
+           "continue_final_message", "add_generation_prompt", "echo", "cache_salt", "min_tokens", "ignore_eos"],
+    TOK: ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"],
+    "/detokenize": ["tokens"],
+}
+BASE = {C: {"prompt": "The tide", "max_tokens": 4}, CHAT: {"messages": USER, "max_tokens": 4},
+        TOK: {"prompt": "The tide"}, "/detokenize": {"tokens": [1, 2, 3]}}
+
+
+def _json_values():
+    from hypothesis import strategies as st
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.integers(-2**70, 2**70),
+                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+                        st.sampled_from(["\ud800", "a\udfff", "\x00", "", "{{ 1/0 }}", "user", "json_object"]))
+    return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                         st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                        max_leaves=12)
+
+
+def _hypothesis_fuzz(server, max_examples: int) -> dict[int, int]:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    statuses: dict[int, int] = {}
+    routes = st.sampled_from(list(FIELDS))
+
+    @st.composite
+    def bodies(draw):
+        route = draw(routes)
+        body = dict(BASE[route])
+        for field in draw(st.lists(st.sampled_from(FIELDS[route]), min_size=1, max_size=3, unique=True)):
+            body[field] = draw(_json_values())
+        return route, body
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=bodies())
+    def run(case):
+        route, body = case
+        with httpx.stream("POST", f"{server}{route}", content=json.dumps(body).encode(), headers=_headers(),
+                          timeout=120) as r:
+            r.read()  # a stream to its end
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (route, body, r.text[:500])
+        if r.status_code == 200 and body.get("stream") is True:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-500:]
+
+    run()
+    return statuses
+
+
+def test_valid_bodies_with_hostile_fields_get_no_server_error(server, baseline_text):
+    statuses = _hypothesis_fuzz(server, max_examples=150)
+    print(f"hypothesis fuzz: {sum(statuses.values())} responses, by status {dict(sorted(statuses.items()))}")
+    assert not {s: n for s, n in statuses.items() if s >= 500} and statuses.get(200, 0) > 0
+    _assert_serves_and_drains(server, baseline_text)
+
+
+@pytest.mark.slow
+def test_valid_bodies_with_hostile_fields_get_no_server_error_long(server, baseline_text):
+    statuses = _hypothesis_fuzz(server, max_examples=1500)
+    print(f"hypothesis fuzz: {sum(statuses.values())} responses, by status {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) >= 1000
+    assert not {s: n for s, n in statuses.items() if s >= 500} and statuses.get(200, 0) > 0
+    _assert_serves_and_drains(server, baseline_text)
