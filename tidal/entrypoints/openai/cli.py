@@ -36,8 +36,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $TIDAL_API_KEY, unset: no key)")
     g.add_argument("--max-log-len", type=int, default=None,
-                   help="characters of prompt and token ids shown in request logs (default: all)")
-    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+                   help="characters of prompt and token ids shown in request logs, which show them at DEBUG "
+                        "only (default: all)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log each request (at INFO: its id and sizes, never its prompt or output)")
     g.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between periodic stats log lines (default 10; none with --disable-log-stats)")
     g.add_argument("--chat-template", default=None,
