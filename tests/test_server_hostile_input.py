@@ -171,11 +171,13 @@ HOSTILE = {
     "message content of the wrong type": (CHAT, _j({"messages": [{"role": "user", "content": 5}]}),
                                           "messages[0].content", ""),
     "unknown role": (CHAT, _j({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role", "wizard"),
-    "template that raises": (CHAT, _j({"messages": USER, "chat_template": "{{ 1/0 }}"}), "messages",
-                             "chat template"),
-    "template with a huge loop": (CHAT, _j({"messages": USER, "chat_template": "{% for i in range(10**9) %}x"
-                                                                                "{% endfor %}"}),
-                                  "messages", "chat template"),
+    "template that raises": (CHAT, _j({"messages": USER, "chat_template": "{{ 1/0 }}"}), "chat_template",
+                             "--trust-request-chat-template"),
+    "template with nested loops": (CHAT, _j({"messages": USER, "chat_template": "{% for i in range(99999) %}"
+                                             "{% for j in range(99999) %}x{% endfor %}{% endfor %}"}),
+                                   "chat_template", "--trust-request-chat-template"),
+    "template kwargs that clash": (CHAT, _j({"messages": USER, "chat_template_kwargs": {"tokenize": True}}),
+                                   "messages", "chat template"),
     "unknown field": (C, _j({"prompt": "hi", "no_such_field": 1}), "no_such_field", "unknown field"),
     "stream_options not an object": (C, _j({"prompt": "hi", "stream": True, "stream_options": 5}),
                                      "stream_options", ""),
@@ -325,7 +327,7 @@ FIELDS = {
         "echo", "stream", "ignore_eos", "best_of", "cache_salt", "include_stop_str_in_output", "skip_special_tokens",
         "guided_choice", "guided_regex", "stream_options", "model", "user"],
     CHAT: ["messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_k", "seed", "stop", "logprobs",
-           "top_logprobs", "stream", "tools", "tool_choice", "response_format", "chat_template_kwargs",
+           "top_logprobs", "stream", "tools", "tool_choice", "response_format", "chat_template", "chat_template_kwargs",
            "continue_final_message", "add_generation_prompt", "echo", "cache_salt", "min_tokens", "ignore_eos"],
     TOK: ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "tools"],
     "/detokenize": ["tokens"],
@@ -389,3 +391,24 @@ def test_valid_bodies_with_hostile_fields_get_no_server_error_long(server, basel
     assert sum(statuses.values()) >= 1000
     assert not {s: n for s, n in statuses.items() if s >= 500} and statuses.get(200, 0) > 0
     _assert_serves_and_drains(server, baseline_text)
+
+
+@pytest.mark.parametrize("argv, message", [(["--max-logprobs", "21"], "--max-logprobs"),
+                                           (["--max-request-body-bytes", "-1"], "--max-request-body-bytes"),
+                                           (["--allowed-origins", "[1]"], "--allowed-origins")])
+def test_server_limit_flags_are_checked(argv, message):
+    import argparse
+
+    from tidal.entrypoints.openai.cli import _validate, add_server_args
+    args = add_server_args(argparse.ArgumentParser()).parse_args(argv)
+    with pytest.raises(SystemExit, match=message):
+        _validate(args)
+
+
+def test_server_limit_flag_defaults():
+    import argparse
+
+    from tidal.entrypoints.openai.cli import add_server_args
+    args = add_server_args(argparse.ArgumentParser()).parse_args([])
+    assert (args.max_request_body_bytes, args.max_logprobs, args.allowed_origins,
+            args.trust_request_chat_template) == (32 * 2**20, 20, None, False)

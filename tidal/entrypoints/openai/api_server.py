@@ -111,9 +111,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
               log_requests: bool = True, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
               max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, trust_request_chat_template: bool = False) -> FastAPI:
     ctx = ServingContext(async_llm, served_model_name, max_log_len, log_requests, chat_template,
-                         enable_auto_tool_choice, tool_call_parser, max_logprobs)
+                         enable_auto_tool_choice, tool_call_parser, max_logprobs, trust_request_chat_template)
     completions, chat = CompletionHandler(ctx), ChatHandler(ctx)
     app = FastAPI(title="Tidal OpenAI-compatible server", version=tidal.__version__)
     app.state.ctx = ctx

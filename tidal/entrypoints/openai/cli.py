@@ -6,7 +6,7 @@
 Every engine flag of the CLI is accepted (see `tidal serve --help`), plus the server's own:
 --host, --port, --api-key (or TIDAL_API_KEY), --max-log-len, --disable-log-requests,
 --uvicorn-log-level, --chat-template, --enable-auto-tool-choice, --tool-call-parser,
---max-request-body-bytes, --max-logprobs, --allowed-origins.
+--max-request-body-bytes, --max-logprobs, --allowed-origins, --trust-request-chat-template.
 """
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds between periodic stats log lines (default 10; none with --disable-log-stats)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template in chat requests (Jinja code from the client, run on the server; "
+                        "default: refused with 400)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -120,7 +123,8 @@ def run_server(args: argparse.Namespace) -> int:
                     log_requests=not args.disable_log_requests, chat_template=args.chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                     max_logprobs=args.max_logprobs, max_request_body_bytes=args.max_request_body_bytes or None,
-                    allowed_origins=args.allowed_origins)
+                    allowed_origins=args.allowed_origins,
+                    trust_request_chat_template=args.trust_request_chat_template)
     plan = engine.kv_plan
     logger.info("Serving %s (model %s, %s) on http://%s:%d/v1 — max_model_len %d, KV cache %d tokens "
                 "(%d blocks of %d, %.1f MiB)%s", name, config.model or engine.model_name,

@@ -63,7 +63,8 @@ class ServingContext:
 
     def __init__(self, async_llm: AsyncLLM, served_model_name: str, max_log_len: int | None = None,
                  log_requests: bool = True, chat_template: str | None = None, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 tool_call_parser: str | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                 trust_request_chat_template: bool = False) -> None:
         self.async_llm = async_llm
         self.engine = async_llm.engine
         self.served_model_name = served_model_name
@@ -75,6 +76,7 @@ class ServingContext:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.max_logprobs = max_logprobs  # --max-logprobs
+        self.trust_request_chat_template = trust_request_chat_template
         config = getattr(self.engine, "config", None)
         self.max_n = getattr(config, "max_num_seqs", 256)  # n above it could never run as one batch
 

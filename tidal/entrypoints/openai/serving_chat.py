@@ -146,6 +146,10 @@ class ChatHandler:
         ctx.check_model(request.model)
         ctx.check_limits(request)
         ctx.check_text_length(message_texts(request.messages), "messages")
+        if request.chat_template is not None and not ctx.trust_request_chat_template:
+            # A template is a program: nested loops within the sandbox's limits still run for hours.
+            raise APIError(400, "chat_template in a request runs the client's Jinja code on the server: refused "
+                                "unless the server runs with --trust-request-chat-template", "chat_template")
         try:
             request.check_unsupported()
             tools = setup_tools(request, ctx.enable_auto_tool_choice, ctx.tool_call_parser)
