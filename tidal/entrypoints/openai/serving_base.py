@@ -79,7 +79,6 @@ class ServingContext:
         self.trust_request_chat_template = trust_request_chat_template
         config = getattr(self.engine, "config", None)
         self.max_n = getattr(config, "max_num_seqs", 256)  # n above it could never run as one batch
-
         self.max_prompt_chars = None if self.tokenizer is None else \
             self.max_model_len * max_token_chars(self.tokenizer)
 
