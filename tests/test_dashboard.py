@@ -320,7 +320,8 @@ def test_hybrid_engine_snapshot_through_the_app_without_a_key(tmp_path):
     engine = LLM(str(tmp_path), dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=64,
                  kv_cache_memory_bytes=4 << 20).llm_engine
     for i in range(2):
-        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=50))
+        # different prompts: a prompt identical to one still computing waits for its state checkpoint
+        engine.add_request(f"r{i}", {"prompt_token_ids": list(range(3 + i, 40 + i))}, SamplingParams(max_tokens=50))
     engine.step()  # both admitted (the second one in part), each with its slot
     engine.has_unfinished_requests = lambda: False  # the engine thread then only serves calls: no step moves them
     async_llm = AsyncLLM(engine, step_hook=ServerMetrics("jamba"))
