@@ -51,6 +51,10 @@ class EngineConfig:
     # vLLM's CPU swap space (GiB) for preempted requests' KV blocks: Tidal preempts by recomputation,
     # so only 0 is accepted
     swap_space: float = 0
+    # True: each request's logits are bitwise the same whatever else runs in the same steps (batch size,
+    # chunk boundaries, prefix-cache hits, preemption): every reduction in a fixed order per row
+    # (docs/batch_invariance.md)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         def positive(name):

@@ -33,7 +33,7 @@ from torch import nn
 
 from tidal.device import to_device
 from tidal.distributed import get_tp_rank, get_tp_size
-from tidal.forward_context import get_forward_context
+from tidal.forward_context import batch_invariant, get_forward_context
 from tidal.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -134,6 +134,10 @@ class MambaMixer(nn.Module):
         meta = get_forward_context()
         xs, gate = self.in_proj(hidden).chunk(2, dim=-1)  # [T, d_inner] each
         nd, T = meta.num_decodes, hidden.shape[0]
+        if meta.batch_invariant:
+            # decodes as one-token chunks: a token's conv, scan and output come from one code path whether
+            # it is decoded or recomputed inside a prompt chunk (a preempted request resumed)
+            nd = 0
         slots, fresh = meta.state_slots, ~meta.has_initial_state
         y = torch.empty(T, self.d_inner, dtype=torch.float32, device=hidden.device)
         checkpoints = meta.state_checkpoints or ()
@@ -186,6 +190,18 @@ class MambaMixer(nn.Module):
         self.ssm_state[slots] = h
         return torch.bmm(h, C.unsqueeze(-1)).squeeze(-1) + xf * self.D.float()
 
+    def _conv_fixed_order(self, xpad: torch.Tensor, L: int) -> torch.Tensor:
+        """The depthwise conv of xpad [R, d, K-1 + L] -> [R, d, L] as fp32 element-wise products summed tap
+        by tap (then the bias), rounded once to the model dtype: each output's order is fixed, whatever
+        the number of requests or the padded length (batch-invariant mode)."""
+        w = self.conv1d.weight[:, 0, :].float()  # [d, K]
+        acc = xpad[:, :, 0:L].float() * w[:, 0:1]
+        for j in range(1, self.d_conv):
+            acc += xpad[:, :, j:j + L].float() * w[:, j:j + 1]
+        if self.conv1d.bias is not None:
+            acc += self.conv1d.bias.float()[:, None]
+        return acc.to(xpad.dtype)
+
     def _prefill(self, x: torch.Tensor, lens: list[int], slots: torch.Tensor, fresh: torch.Tensor,
                  checkpoints: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Chunks of R requests, flat x [sum(lens), d_inner] -> scan output before gating, fp32.
@@ -206,7 +222,10 @@ class MambaMixer(nn.Module):
         self.conv_state[slots] = xpad.gather(2, last)  # the chunk's last K-1 inputs (incl. cached ones)
         for r, t, index in checkpoints:
             self.conv_state[index] = xpad[r, :, t:t + K1]  # the K-1 inputs before token t
-        conv = F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=d)  # [R, d, L]
+        if batch_invariant():
+            conv = self._conv_fixed_order(xpad, L)
+        else:
+            conv = F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=d)  # [R, d, L]
         xc = F.silu(conv)[req, :, off]  # [Tp, d] flat again
         dt, B, C = self._ssm_inputs(xc)
         xf = xc.float()
