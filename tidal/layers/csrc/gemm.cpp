@@ -29,6 +29,9 @@
 using simd::bf16_to_float;
 using simd::float_to_bf16;
 
+// weight elements: bf16 (widened in registers) when WIDEN, else fp32
+template <bool WIDEN> using weight_t = std::conditional_t<WIDEN, uint16_t, float>;
+
 #if defined(TIDAL_VEC)
 using simd::vf;
 using simd::W;
@@ -76,9 +79,6 @@ static inline void dot_tile(const float* x, int64_t ldx, const void* w, int64_t 
 
 // weight rows per register tile, by rows of x: MR + 1 + MR * NR registers (16 on AVX2, 32 on AVX-512)
 template <int MR> constexpr int skinny_nr() { return W == 16 ? (MR <= 2 ? 8 : 4) : (MR == 1 ? 8 : MR == 2 ? 4 : MR == 3 ? 3 : 2); }
-
-// weight elements: bf16 (widened in registers) when WIDEN, else fp32
-template <bool WIDEN> using weight_t = std::conditional_t<WIDEN, uint16_t, float>;
 
 template <int MR, bool WIDEN>
 static void skinny_f32(const float* x, const weight_t<WIDEN>* w, const float* bias, float* out, int64_t N, int64_t K,
