@@ -100,8 +100,8 @@ PROMPTS = random_prompts(12, 3, 60, 256, seed=5)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["llama", "mixtral", "jamba"])
 def test_tiny_model_logprobs_do_not_depend_on_the_batch(tmp_path_factory, kind, dtype):
-    engine = JAMBA_ENGINE if kind == "jamba" else TINY_ENGINE
-    got = _scenarios(_tiny_path(tmp_path_factory, kind), dtype, PROMPTS, engine)
+    engine, prompts = (JAMBA_ENGINE, PROMPTS[:8]) if kind == "jamba" else (TINY_ENGINE, PROMPTS)
+    got = _scenarios(_tiny_path(tmp_path_factory, kind), dtype, prompts, engine)
     assert _differences(got) == []
 
 
@@ -117,3 +117,20 @@ def test_without_the_mode_the_batch_changes_logprobs(tmp_path_factory, kind):
     skinny GEMM, in a batch the blocked one), so the tests above can fail."""
     got = _scenarios(_tiny_path(tmp_path_factory, kind), "bfloat16", PROMPTS, TINY_ENGINE, invariant=False)
     assert _differences(got) != []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_decoding_changes_no_logprob(tmp_path_factory, dtype):
+    """n-gram drafts verified several tokens per request per step, alone or in a batch: the same tokens
+    and logprobs as plain decoding one request at a time."""
+    path = _tiny_path(tmp_path_factory, "llama")
+    prompts = [p + p[:20] + p[:20] for p in PROMPTS]  # repeats, so that drafts are proposed and accepted
+    common = {"dtype": dtype, "batch_invariant": True, "max_model_len": 256, "block_size": 4,
+              "kv_cache_memory_bytes": 16 << 20}
+    plain = LLM(path, enable_prefix_caching=False, **common)
+    ref = [_generate(plain, prompts, 40, [i])[0] for i in range(len(prompts))]
+    spec = LLM(path, max_num_batched_tokens=37, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, **common)
+    assert [_generate(spec, prompts, 40, [i])[0] for i in range(len(prompts))] == ref
+    assert _generate(spec, prompts, 40) == ref
+    assert spec.llm_engine.stats.spec_num_accepted_tokens > 0
