@@ -12,6 +12,7 @@ import pytest
 from tests.helpers import random_prompts, save_tiny_model, tiny_config
 from tests.test_hybrid import save_tiny_hybrid
 from tidal import LLM, SamplingParams
+from tidal.native import isa_override, runnable_isas
 
 TINY_ENGINE = {"max_model_len": 128, "block_size": 4, "max_tokens": 40}
 # Jamba: at least half a cache goes to KV, about 130 tokens per state slot: requests long enough that four
@@ -103,6 +104,16 @@ def test_tiny_model_logprobs_do_not_depend_on_the_batch(tmp_path_factory, kind, 
     engine, prompts = (JAMBA_ENGINE, PROMPTS[:8]) if kind == "jamba" else (TINY_ENGINE, PROMPTS)
     got = _scenarios(_tiny_path(tmp_path_factory, kind), dtype, prompts, engine)
     assert _differences(got) == []
+
+
+@pytest.mark.skipif("avx2" not in runnable_isas(), reason="this CPU cannot run the AVX2 kernels")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_avx2_kernels_are_batch_invariant_too(tmp_path_factory, kind, dtype):
+    """The AVX2 build (TIDAL_CPU_ISA=avx2 on an AVX-512 machine): bf16 products widened to fp32 there."""
+    path = _tiny_path(tmp_path_factory, kind)
+    with isa_override("avx2"):
+        assert _differences(_scenarios(path, dtype, PROMPTS, TINY_ENGINE)) == []
 
 
 def test_default_model_bf16_logprobs_do_not_depend_on_the_batch():
