@@ -48,9 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     _bool_flag(g, "enable-chunked-prefill", True,
                "split a prompt longer than a step's token budget across steps (default on); off: each prompt is "
                "computed whole in one step, and --max-num-batched-tokens must be >= --max-model-len")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="a request's logits, tokens and logprobs bitwise the same whatever else runs with it "
-                   "(batch size, chunking, prefix-cache hits, preemption); docs/batch_invariance.md")
+    _bool_flag(g, "batch-invariant", False,
+               "a request's logits, tokens and logprobs bitwise the same whatever else runs with it (batch size, "
+               "chunking, prefix-cache hits, preemption; default off); docs/batch_invariance.md")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of sampling for requests without their own seed (default 0)")
     g.add_argument("--enforce-eager", action="store_true",
