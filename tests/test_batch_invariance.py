@@ -106,6 +106,23 @@ def test_tiny_model_logprobs_do_not_depend_on_the_batch(tmp_path_factory, kind, 
     assert _differences(got) == []
 
 
+def test_fp8_kv_cache_is_batch_invariant(tmp_path_factory):
+    engine = {**TINY_ENGINE, "kv_cache_dtype": "fp8"}
+    got = _scenarios(_tiny_path(tmp_path_factory, "llama"), "bfloat16", PROMPTS, engine)
+    assert _differences(got) == []
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"quantization": "int8"}, "quantization 'int8' is not supported"), ({"dtype": "float16"}, "not 'float16'"),
+    ({"device": "cuda"}, "CPU only")])
+def test_what_the_mode_does_not_cover_is_refused(monkeypatch, kwargs, message):
+    from tidal import config
+    from tidal.config import EngineConfig
+    monkeypatch.setattr(config, "resolve_device", lambda d: "cpu" if d == "auto" else d)  # "cuda" without a GPU
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(batch_invariant=True, **kwargs)
+
+
 @pytest.mark.skipif("avx2" not in runnable_isas(), reason="this CPU cannot run the AVX2 kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
