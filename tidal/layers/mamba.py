@@ -134,14 +134,16 @@ class MambaMixer(nn.Module):
         meta = get_forward_context()
         xs, gate = self.in_proj(hidden).chunk(2, dim=-1)  # [T, d_inner] each
         nd, T = meta.num_decodes, hidden.shape[0]
-        if meta.batch_invariant:
-            # decodes as one-token chunks: a token's conv, scan and output come from one code path whether
-            # it is decoded or recomputed inside a prompt chunk (a preempted request resumed)
-            nd = 0
         slots, fresh = meta.state_slots, ~meta.has_initial_state
         y = torch.empty(T, self.d_inner, dtype=torch.float32, device=hidden.device)
         checkpoints = meta.state_checkpoints or ()
-        if nd:
+        if nd and meta.batch_invariant:
+            # decodes as one-token chunks (a group of their own, so no padding to a prompt chunk's length):
+            # a token's conv, scan and output come from the code that computes it when it is recomputed
+            # inside a prompt chunk (a preempted request resumed); a checkpoint: the state after the token
+            y[:nd] = self._prefill(xs[:nd], [1] * nd, slots[:nd], fresh[:nd],
+                                   [(i, 1, index) for i, _, index in checkpoints if i < nd])
+        elif nd:
             y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd], meta.fresh_decodes)
             for i, _, index in checkpoints:
                 if i < nd:  # the state after this decode token
