@@ -1,6 +1,6 @@
 """Microbenchmarks of the native CPU kernels for each ISA level this CPU runs, on SmolLM2-135M's shapes:
 
-    .venv/bin/python benchmarks/cpu_kernels.py [--isa avx2 avx512_bf16 ...] [--only gemm_bf16]
+    .venv/bin/python benchmarks/cpu_kernels.py [--isa avx2 avx512_bf16 ...] [--only gemm_bf16|invariant|...]
 
 - GEMM with bf16 weights and fp32 activations (the `dtype auto` path of CPUs without native bf16)
   against torch's fp32 GEMM, for 1 to 256 rows, summed over one layer's four products and the LM head.
@@ -13,6 +13,9 @@
   W8A8 (per-token int8 activations, VPDPBUSD or VPMADDUBSW), beside the bf16 skinny kernel (rows <= 4)
   and the blocked one (AVX-512 BF16), and the fp32-activation bf16-weight kernel; a layer's four
   products and the LM head separately, each call on weights not in the caches (as in a decode).
+- Batch-invariant mode's products (docs/batch_invariance.md): 1-4 bf16 rows through the skinny kernel in
+  the blocked kernel's order against the skinny and blocked kernels (weights not in the caches, best of
+  a few rounds); fp32 products through the native fp32 kernel against torch's, 1 to 256 rows.
 - Paged attention: 64 decodes over 1,100 cached tokens each, and one 64-token prompt chunk over
   1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16, fp32 and FP8 (E4M3)
   caches and bf16 over bf16 and FP8. GFLOP/s count 4 * heads * head_dim per query and cached token.
@@ -125,6 +128,35 @@ def quant(isa: str, rounds: int = 3) -> None:
             print(f"{isa:12s} 8-bit weights, rows {m:4d}, {part:7s}: {cells}", flush=True)
 
 
+def invariant(isa: str, rounds: int = 3) -> None:
+    if isa == "avx512_bf16":
+        for m in range(1, cpu_kernels.SKINNY_MAX_ROWS + 1):
+            best: dict[str, float] = {}
+            for _ in range(rounds):
+                t = dict.fromkeys(("skinny", "ordered skinny", "blocked"), 0.0)
+                for n, k in SHAPES:
+                    xb, wb = torch.randn(m, k).bfloat16(), rotating(torch.randn(n, k).bfloat16())
+                    reps = 30
+                    t["skinny"] += timed_cold(lambda w: cpu_kernels.skinny_linear(xb, w, None), wb, reps)
+                    t["ordered skinny"] += timed_cold(lambda w: cpu_kernels.skinny_linear_ordered(xb, w, None), wb,
+                                                      reps)
+                    t["blocked"] += timed_cold(lambda w: cpu_kernels.bf16_linear(xb, w, None), wb, reps)
+                    del wb
+                best = {name: min(v, best.get(name, v)) for name, v in t.items()}
+            cells = ", ".join(f"{name} {v * 1e3:6.3f} ms ({v / best['skinny']:4.2f}x)" for name, v in best.items())
+            print(f"{isa:12s} invariant bf16, rows {m}, layer + LM head, cold weights: {cells}", flush=True)
+    for m in (1, 4, 16, 64, 256):
+        native = reference = 0.0
+        for n, k in SHAPES:
+            x, w = torch.randn(m, k), torch.randn(n, k)
+            reps = max(3, min(20, 4096 // m))
+            native += timed(lambda: cpu_kernels.linear_f32(x, w, None), reps)
+            reference += timed(lambda: F.linear(x, w), reps)
+        flops = 2 * m * sum(n * k for n, k in SHAPES)
+        print(f"{isa:12s} invariant fp32 rows {m:4d}: {native * 1e3:8.3f} ms ({flops / native / 1e9:6.1f} GFLOP/s), "
+              f"torch fp32 {reference * 1e3:8.3f} ms: {reference / native:5.2f}x", flush=True)
+
+
 def attention(isa: str) -> None:
     nb, hk, hq, bs, d, ctx, n = 600, 3, 9, 16, 64, 1100, 64
     for qdt, kdt in ((torch.float32, torch.bfloat16), (torch.float32, torch.float32),
@@ -154,13 +186,13 @@ def attention(isa: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--isa", nargs="*", default=[i for i in runnable_isas() if i != "generic"])
-    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "quant", "attention"], default=None)
+    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "quant", "invariant", "attention"], default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     for isa in args.isa:
         with isa_override(isa):
             for name, bench in (("gemm", gemm), ("gemm_bf16", gemm_bf16), ("quant", quant),
-                                 ("attention", attention)):
+                                 ("invariant", invariant), ("attention", attention)):
                 if args.only in (None, name):
                     bench(isa)
 

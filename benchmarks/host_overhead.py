@@ -1,7 +1,7 @@
 """Host time per engine step: everything but the model's forward (and LM head).
 
     python benchmarks/host_overhead.py [--workload offline|single|shared_prefix] [--model DIR]
-        [--dtype float32] [--tensor-parallel-size 2] [--pipeline-parallel-size 2]
+        [--dtype float32] [--tensor-parallel-size 2] [--pipeline-parallel-size 2] [--batch-invariant]
 
 Runs one workload of benchmarks/peers/workload.py (greedy, ignore_eos) through `LLMEngine.step` and
 times each step end to end; in one process the model's `forward` and `compute_logits` are timed too
@@ -30,11 +30,13 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--batch-invariant", action="store_true", help="batch-invariant mode (docs/batch_invariance.md)")
     args = ap.parse_args()
 
     from tidal import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              batch_invariant=args.batch_invariant)
     engine = llm.llm_engine
     model = getattr(getattr(engine, "runner", None), "model", None)
     in_model = [0.0]
@@ -76,7 +78,8 @@ def main() -> None:
     res = run(workload.WORKLOADS[args.workload]())
     res["rss_mb"] = round(resident_bytes() / 2**20, 1)  # the engine's process (with the model, in one process)
     print("RESULT " + json.dumps({"workload": args.workload, "dtype": args.dtype,
-                                  "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size, **res}),
+                                  "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size,
+                                  "batch_invariant": args.batch_invariant, **res}),
           flush=True)
 
 

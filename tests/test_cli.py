@@ -120,6 +120,7 @@ ENGINE_FLAG_VALUES = {
     "--kv-cache-memory-bytes": (["--kv-cache-memory-bytes", "1000"], "kv_cache_memory_bytes", 1000),
     "--enable-prefix-caching": (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
     "--enable-chunked-prefill": (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
+    "--batch-invariant": (["--batch-invariant"], "batch_invariant", True),
     "--seed": (["--seed", "7"], "seed", 7), "--enforce-eager": (["--enforce-eager"], "enforce_eager", True),
     "--tensor-parallel-size": (["-tp", "2"], "tensor_parallel_size", 2),
     "--pipeline-parallel-size": (["-pp", "2"], "pipeline_parallel_size", 2),

@@ -167,6 +167,39 @@ def test_bf16_weight_gemm_rows_do_not_depend_on_the_batch():
         assert torch.equal(cpu_kernels.linear_f32_bf16w(x[rows], w, bias), full[rows])
 
 
+@pytest.mark.parametrize("k", [576, 577, 33])  # odd K: the last pair is (x_last, 0)
+def test_ordered_skinny_gemm_equals_the_blocked_gemm_bitwise(isa, k):
+    """Batch-invariant mode: 1-4 rows through the skinny kernel written in the blocked kernel's order
+    give exactly the blocked kernel's bits for those rows inside a larger call."""
+    torch.manual_seed(0)
+    x = torch.randn(40, k).bfloat16()
+    w = torch.randn(103, k).bfloat16()  # a last tile of 7 weight rows
+    bias = torch.randn(103).bfloat16()
+    full = cpu_kernels.bf16_linear(x, w, bias)
+    if isa != "avx512_bf16":
+        assert cpu_kernels.skinny_linear_ordered(x[:1], w, bias) is None
+        return
+    for rows in (slice(0, 1), slice(3, 5), slice(17, 20), slice(36, 40)):
+        assert torch.equal(cpu_kernels.skinny_linear_ordered(x[rows].contiguous(), w, bias), full[rows]), rows
+    assert torch.equal(cpu_kernels.skinny_linear_ordered(x[:2].contiguous(), w, None),
+                       cpu_kernels.bf16_linear(x, w, None)[:2])
+
+
+@pytest.mark.parametrize("k", [576, 67])
+def test_fp32_gemm_rows_do_not_depend_on_the_batch(isa, k):
+    """Batch-invariant mode's fp32 product: close to torch's, and a row's bits the same alone (streamed
+    weights), in a few rows or in a large call (weight blocks)."""
+    torch.manual_seed(0)
+    x = torch.randn(130, k)
+    w = torch.randn(250, k)
+    bias = torch.randn(250)
+    full = cpu_kernels.linear_f32(x, w, bias)
+    reference = torch.nn.functional.linear(x.double(), w.double(), bias.double()).float()
+    torch.testing.assert_close(full, reference, atol=1e-4, rtol=1e-5)
+    for rows in (slice(5, 6), slice(10, 13), slice(0, 8), slice(20, 36), slice(0, 129)):
+        assert torch.equal(cpu_kernels.linear_f32(x[rows], w, bias), full[rows]), rows
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(isa, dtype):
     torch.manual_seed(0)

@@ -51,6 +51,10 @@ class EngineConfig:
     # vLLM's CPU swap space (GiB) for preempted requests' KV blocks: Tidal preempts by recomputation,
     # so only 0 is accepted
     swap_space: float = 0
+    # True: each request's logits are bitwise the same whatever else runs in the same steps (batch size,
+    # chunk boundaries, prefix-cache hits, preemption): every reduction in a fixed order per row
+    # (docs/batch_invariance.md)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -87,11 +91,24 @@ class EngineConfig:
             raise ValueError(f"tokenizer must be a path (a directory with tokenizer files or a .gguf file), "
                              f"got {self.tokenizer!r}")
         self.device = resolve_device(self.device)
+        if self.batch_invariant:
+            self._check_batch_invariant()
         from tidal.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
                              f"got {self.distributed_executor_backend!r}")
+
+    def _check_batch_invariant(self) -> None:
+        """The mode covers the CPU's fp32 and bf16 products with plain weights; anything else is refused
+        rather than silently left dependent on the batch (docs/batch_invariance.md)."""
+        if self.device != "cpu":
+            raise ValueError(f"batch_invariant=True is implemented on the CPU only, not on device {self.device!r}")
+        if self.dtype in ("float16", "half"):
+            raise ValueError(f"batch_invariant=True supports dtype float32, bfloat16 or auto, not {self.dtype!r}")
+        if self.quantization not in (None, "none"):
+            raise ValueError(f"batch_invariant=True runs plain weights: quantization {self.quantization!r} is not "
+                             "supported with it (its kernels are not batch-invariant)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

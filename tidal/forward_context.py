@@ -24,6 +24,9 @@ class ForwardContext:
     # in decode-only steps, and the LM head's sampled rows. Prompt tokens always take a row-independent
     # GEMM, so a prompt rounds the same with or without a prefix-cache hit.
     skinny_gemm: bool = False
+    # batch-invariant mode (EngineConfig.batch_invariant): layers take only kernels whose result for a row
+    # does not depend on the other rows, the chunking or the step (docs/batch_invariance.md)
+    batch_invariant: bool = False
     attn_backend: Any = None           # tidal/layers/attention/backends.py
     attn_metadata: Any = None          # what that backend built for this step
     # models with Mamba layers: per request in batch order
@@ -59,3 +62,8 @@ def skinny_gemm_allowed() -> bool:
     """Whether the forward running now lets linear layers use the skinny GEMM (see ForwardContext).
     Outside a forward (a layer called on its own) there is no prompt to keep consistent: allowed."""
     return _CONTEXT is None or _CONTEXT.skinny_gemm
+
+
+def batch_invariant() -> bool:
+    """Whether the forward running now is in batch-invariant mode (False outside a forward)."""
+    return _CONTEXT is not None and _CONTEXT.batch_invariant

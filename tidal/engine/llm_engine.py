@@ -108,6 +108,9 @@ class LLMEngine:
         if state_pool is not None:
             self._log_hybrid_plan(plan, state_pool)
         logger.info(get_platform(config.device).describe())
+        if config.batch_invariant:
+            logger.info("batch-invariant mode: each request's logits do not depend on the other requests of a "
+                        "step, its chunking or prefix-cache hits (docs/batch_invariance.md)")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, list(self.eos_token_ids))
         self.stats = EngineStats()

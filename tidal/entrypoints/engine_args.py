@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     _bool_flag(g, "enable-chunked-prefill", True,
                "split a prompt longer than a step's token budget across steps (default on); off: each prompt is "
                "computed whole in one step, and --max-num-batched-tokens must be >= --max-model-len")
+    _bool_flag(g, "batch-invariant", False,
+               "a request's logits, tokens and logprobs bitwise the same whatever else runs with it (batch size, "
+               "chunking, prefix-cache hits, preemption; default off); docs/batch_invariance.md")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of sampling for requests without their own seed (default 0)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -98,5 +101,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, disable_log_stats=args.disable_log_stats,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
     )

@@ -200,6 +200,10 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_linear_f32_bf16w.restype = None
     lib.tidal_linear_f32_bf16w.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_linear_f32.restype = None
+    lib.tidal_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_skinny_gemm_bf16_ordered.restype = ctypes.c_int
+    lib.tidal_skinny_gemm_bf16_ordered.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 _GEMM_LIB = NativeLibrary("gemm", os.path.join(os.path.dirname(__file__), "csrc", "gemm.cpp"),
@@ -244,6 +248,25 @@ def linear_f32_bf16w(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             or (bias is not None and bias.dtype != torch.float32)):
         return None
     return _gemm("tidal_linear_f32_bf16w", x, weight, bias, torch.float32)
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., K] @ weight [N, K]^T (+ bias), all fp32 on CPU, through the native kernel whose outputs are
+    each one dot product in a fixed order whatever the number of rows (batch-invariant mode; torch's
+    GEMM picks its kernel, hence its summation order, by shape). None when it does not apply."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.float32)):
+        return None
+    return _gemm("tidal_linear_f32", x, weight, bias, torch.float32)
+
+
+def skinny_linear_ordered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """skinny_linear in bf16_linear's summation order (1 to SKINNY_MAX_ROWS rows, AVX-512 BF16): a row's
+    result is bitwise the one bf16_linear gives it in any batch. None when it does not apply."""
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.bfloat16)):
+        return None
+    return _gemm("tidal_skinny_gemm_bf16_ordered", x, weight, bias, torch.bfloat16)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

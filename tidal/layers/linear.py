@@ -21,8 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from tidal.forward_context import skinny_gemm_allowed
-from tidal.layers.cpu_kernels import SKINNY_MAX_ROWS, bf16_linear, linear_f32_bf16w, skinny_linear
+from tidal.forward_context import batch_invariant, skinny_gemm_allowed
+from tidal.layers.cpu_kernels import (
+    SKINNY_MAX_ROWS,
+    bf16_linear,
+    linear_f32,
+    linear_f32_bf16w,
+    skinny_linear,
+    skinny_linear_ordered,
+)
 
 
 class UnquantizedLinearMethod:
@@ -75,6 +82,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     takes bf16_weight_linear."""
     if weight.dtype != x.dtype:
         return bf16_weight_linear(x, weight, bias)
+    if batch_invariant() and x.device.type == "cpu":
+        return invariant_linear(x, weight, bias)
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     shape = x.shape
@@ -85,6 +94,32 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if out is None:
         out = bf16_linear(x2, weight, bias)
     if out is None:  # no AVX-512 BF16 build: oneDNN on the plain weight
+        return F.linear(x, weight, bias)
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_linear in batch-invariant mode: each output row one dot product whose summation order does not
+    depend on the number of rows (docs/batch_invariance.md).
+    - bf16 with AVX-512 BF16: bf16_linear's order for any number of rows (1 to 4 rows: the skinny kernel
+      written in that order, which still streams the weights once);
+    - bf16 without it: widened to fp32, the bf16-weight kernel (fixed order), rounded to bf16;
+    - fp32: the native fp32 kernel of the same fixed order (torch's GEMM picks kernels by shape).
+    Elsewhere (fp16; no native kernels) F.linear, which is not invariant."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = None
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
+        if x2.shape[0] <= SKINNY_MAX_ROWS:
+            out = skinny_linear_ordered(x2, weight, bias)
+        if out is None:
+            out = bf16_linear(x2, weight, bias)
+        if out is None:
+            wide = linear_f32_bf16w(x2.float(), weight, None if bias is None else bias.float())
+            out = None if wide is None else wide.to(torch.bfloat16)
+    elif x.dtype == torch.float32:
+        out = linear_f32(x2, weight, bias)
+    if out is None:
         return F.linear(x, weight, bias)
     return out.view(*shape[:-1], out.shape[-1])
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from tidal.device import to_device
 from tidal.distributed import get_tp_rank, get_tp_size
-from tidal.forward_context import get_forward_context
+from tidal.forward_context import batch_invariant, get_forward_context
 from tidal.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -137,7 +137,13 @@ class MambaMixer(nn.Module):
         slots, fresh = meta.state_slots, ~meta.has_initial_state
         y = torch.empty(T, self.d_inner, dtype=torch.float32, device=hidden.device)
         checkpoints = meta.state_checkpoints or ()
-        if nd:
+        if nd and meta.batch_invariant:
+            # decodes as one-token chunks (a group of their own, so no padding to a prompt chunk's length):
+            # a token's conv, scan and output come from the code that computes it when it is recomputed
+            # inside a prompt chunk (a preempted request resumed); a checkpoint: the state after the token
+            y[:nd] = self._prefill(xs[:nd], [1] * nd, slots[:nd], fresh[:nd],
+                                   [(i, 1, index) for i, _, index in checkpoints if i < nd])
+        elif nd:
             y[:nd] = self._decode(xs[:nd], slots[:nd], fresh[:nd], meta.fresh_decodes)
             for i, _, index in checkpoints:
                 if i < nd:  # the state after this decode token
@@ -186,6 +192,18 @@ class MambaMixer(nn.Module):
         self.ssm_state[slots] = h
         return torch.bmm(h, C.unsqueeze(-1)).squeeze(-1) + xf * self.D.float()
 
+    def _conv_fixed_order(self, xpad: torch.Tensor, L: int) -> torch.Tensor:
+        """The depthwise conv of xpad [R, d, K-1 + L] -> [R, d, L] as fp32 element-wise products summed tap
+        by tap (then the bias), rounded once to the model dtype: each output's order is fixed, whatever
+        the number of requests or the padded length (batch-invariant mode)."""
+        w = self.conv1d.weight[:, 0, :].float()  # [d, K]
+        acc = xpad[:, :, 0:L].float() * w[:, 0:1]
+        for j in range(1, self.d_conv):
+            acc += xpad[:, :, j:j + L].float() * w[:, j:j + 1]
+        if self.conv1d.bias is not None:
+            acc += self.conv1d.bias.float()[:, None]
+        return acc.to(xpad.dtype)
+
     def _prefill(self, x: torch.Tensor, lens: list[int], slots: torch.Tensor, fresh: torch.Tensor,
                  checkpoints: list[tuple[int, int, int]] = ()) -> torch.Tensor:
         """Chunks of R requests, flat x [sum(lens), d_inner] -> scan output before gating, fp32.
@@ -206,7 +224,10 @@ class MambaMixer(nn.Module):
         self.conv_state[slots] = xpad.gather(2, last)  # the chunk's last K-1 inputs (incl. cached ones)
         for r, t, index in checkpoints:
             self.conv_state[index] = xpad[r, :, t:t + K1]  # the K-1 inputs before token t
-        conv = F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=d)  # [R, d, L]
+        if batch_invariant():
+            conv = self._conv_fixed_order(xpad, L)
+        else:
+            conv = F.conv1d(xpad, self.conv1d.weight, self.conv1d.bias, groups=d)  # [R, d, L]
         xc = F.silu(conv)[req, :, off]  # [Tp, d] flat again
         dt, B, C = self._ssm_inputs(xc)
         xf = xc.float()

@@ -61,6 +61,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.batch_invariant = False  # EngineConfig.batch_invariant: set by from_config
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
@@ -83,6 +84,7 @@ class ModelRunner:
                      kv_cache_dtype=kv_cache_torch_dtype(config.kv_cache_dtype, loaded.weight_dtype),
                      max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                      max_num_batched_tokens=config.max_num_batched_tokens)
+        runner.batch_invariant = config.batch_invariant
         runner.log_kv_scales()
         return runner
 
@@ -236,7 +238,7 @@ class ModelRunner:
     def _forward_context(self, step: StepInputs) -> ForwardContext:
         reqs, nd = step.reqs, step.num_decodes
         ctx = ForwardContext(num_tokens=step.num_tokens, num_decodes=nd, query_start_loc=step.query_start_loc.tolist(),
-                             skinny_gemm=nd == len(reqs))
+                             skinny_gemm=nd == len(reqs), batch_invariant=self.batch_invariant)
         if self.attn_layers:
             ctx.attn_backend = self.attn_backend
             ctx.attn_metadata = self.attn_backend.build(step, self.device)
@@ -252,7 +254,8 @@ class ModelRunner:
         """The LM head over the rows that sample: one row per request (or per draft), never a prompt's
         other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm). In the model's
         dtype: the sampler widens them where it needs to."""
-        with set_forward_context(ForwardContext(hidden.shape[0], hidden.shape[0], [], skinny_gemm=True)):
+        with set_forward_context(ForwardContext(hidden.shape[0], hidden.shape[0], [], skinny_gemm=True,
+                                                batch_invariant=self.batch_invariant)):
             return self.model.compute_logits(hidden)
 
     @staticmethod

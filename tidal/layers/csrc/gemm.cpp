@@ -21,12 +21,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
 
 using simd::bf16_to_float;
 using simd::float_to_bf16;
+
+// weight elements: bf16 (widened in registers) when WIDEN, else fp32
+template <bool WIDEN> using weight_t = std::conditional_t<WIDEN, uint16_t, float>;
 
 #if defined(TIDAL_VEC)
 using simd::vf;
@@ -76,8 +80,8 @@ static inline void dot_tile(const float* x, int64_t ldx, const void* w, int64_t 
 // weight rows per register tile, by rows of x: MR + 1 + MR * NR registers (16 on AVX2, 32 on AVX-512)
 template <int MR> constexpr int skinny_nr() { return W == 16 ? (MR <= 2 ? 8 : 4) : (MR == 1 ? 8 : MR == 2 ? 4 : MR == 3 ? 3 : 2); }
 
-template <int MR>
-static void skinny_f32(const float* x, const uint16_t* w, const float* bias, float* out, int64_t N, int64_t K,
+template <int MR, bool WIDEN>
+static void skinny_f32(const float* x, const weight_t<WIDEN>* w, const float* bias, float* out, int64_t N, int64_t K,
                        int num_threads) {
   constexpr int NR = skinny_nr<MR>();
   const int64_t tiles = N / NR;
@@ -86,11 +90,11 @@ static void skinny_f32(const float* x, const uint16_t* w, const float* bias, flo
     const int64_t n0 = t * NR;
     // each weight row is read once, straight from memory: ask for the rows a few tiles ahead
     if (n0 + 4 * NR < N)
-      simd::prefetch_bytes(reinterpret_cast<const char*>(w + (n0 + 4 * NR) * K), NR * K * 2);
-    dot_tile<MR, NR, true>(x, K, w + n0 * K, K, bias ? bias + n0 : nullptr, out + n0, N);
+      simd::prefetch_bytes(reinterpret_cast<const char*>(w + (n0 + 4 * NR) * K), NR * K * sizeof(*w));
+    dot_tile<MR, NR, WIDEN>(x, K, w + n0 * K, K, bias ? bias + n0 : nullptr, out + n0, N);
   }
   for (int64_t n0 = tiles * NR; n0 < N; ++n0)
-    dot_tile<MR, 1, true>(x, K, w + n0 * K, K, bias ? bias + n0 : nullptr, out + n0, N);
+    dot_tile<MR, 1, WIDEN>(x, K, w + n0 * K, K, bias ? bias + n0 : nullptr, out + n0, N);
 }
 
 // register tile of the blocked path: MR rows of x by NR weight rows, MR + 1 + MR * NR registers
@@ -111,49 +115,59 @@ static void rows_tile(const float* x, int64_t M, const float* wf, int64_t K, con
   }
 }
 
-static void blocked_f32(const float* x, const uint16_t* w, const float* bias, float* out, int64_t M, int64_t N,
-                        int64_t K, int num_threads) {
+template <bool WIDEN>
+static void blocked_f32(const float* x, const weight_t<WIDEN>* w, const float* bias, float* out, int64_t M,
+                        int64_t N, int64_t K, int num_threads) {
   constexpr int NR = kBlockNR;
   // weight rows per block: about 96 KiB of widened weights (L2), a multiple of NR
   const int64_t NB = std::max<int64_t>(NR, std::min<int64_t>(64, (96 * 1024 / (4 * K)) / NR * NR));
   const int64_t blocks = (N + NB - 1) / NB;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> wf(NB * K);
+    std::vector<float> wf(WIDEN ? NB * K : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * NB, nb = std::min(NB, N - n0);
-      const uint16_t* src = w + n0 * K;
-      int64_t i = 0;
-      for (; i + W <= nb * K; i += W) simd::store(wf.data() + i, simd::load_bf16(src + i));
-      for (; i < nb * K; ++i) wf[i] = bf16_to_float(src[i]);
+      const float* block;
+      if constexpr (WIDEN) {
+        const uint16_t* src = w + n0 * K;
+        int64_t i = 0;
+        for (; i + W <= nb * K; i += W) simd::store(wf.data() + i, simd::load_bf16(src + i));
+        for (; i < nb * K; ++i) wf[i] = bf16_to_float(src[i]);
+        block = wf.data();
+      } else {
+        block = w + n0 * K;  // fp32 weights: read in place
+      }
       int64_t r = 0;
       for (; r + NR <= nb; r += NR)
-        rows_tile<NR>(x, M, wf.data() + r * K, K, bias ? bias + n0 + r : nullptr, out + n0 + r, N);
-      for (; r < nb; ++r) rows_tile<1>(x, M, wf.data() + r * K, K, bias ? bias + n0 + r : nullptr, out + n0 + r, N);
+        rows_tile<NR>(x, M, block + r * K, K, bias ? bias + n0 + r : nullptr, out + n0 + r, N);
+      for (; r < nb; ++r) rows_tile<1>(x, M, block + r * K, K, bias ? bias + n0 + r : nullptr, out + n0 + r, N);
     }
   }
 }
 #endif
 
-static void linear_f32_bf16w(const float* x, const uint16_t* w, const float* bias, float* out, int64_t M,
-                             int64_t N, int64_t K, int num_threads) {
+// fp32 activations against bf16 weights (WIDEN) or fp32 weights: every output one fp32 dot product in the
+// same order whatever M is (see dot_tile), so a row's result never depends on the other rows.
+template <bool WIDEN>
+static void linear_f32(const float* x, const weight_t<WIDEN>* w, const float* bias, float* out, int64_t M,
+                       int64_t N, int64_t K, int num_threads) {
 #if defined(TIDAL_VEC)
   if (M > kSkinnyMaxRows) {
     // chunks of rows whose activations stay in L2 while every weight block passes over them
     const int64_t chunk = std::max<int64_t>(kSkinnyMaxRows + 1, (256 * 1024) / (4 * K));
     for (int64_t m0 = 0; m0 < M; m0 += chunk)
-      blocked_f32(x + m0 * K, w, bias, out + m0 * N, std::min(chunk, M - m0), N, K, num_threads);
+      blocked_f32<WIDEN>(x + m0 * K, w, bias, out + m0 * N, std::min(chunk, M - m0), N, K, num_threads);
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += 4) {  // up to two passes of up to four rows over the streamed weights
     const float* xm = x + m0 * K;
     float* om = out + m0 * N;
     switch (std::min<int64_t>(4, M - m0)) {
-      case 1: skinny_f32<1>(xm, w, bias, om, N, K, num_threads); break;
-      case 2: skinny_f32<2>(xm, w, bias, om, N, K, num_threads); break;
-      case 3: skinny_f32<3>(xm, w, bias, om, N, K, num_threads); break;
-      default: skinny_f32<4>(xm, w, bias, om, N, K, num_threads); break;
+      case 1: skinny_f32<1, WIDEN>(xm, w, bias, om, N, K, num_threads); break;
+      case 2: skinny_f32<2, WIDEN>(xm, w, bias, om, N, K, num_threads); break;
+      case 3: skinny_f32<3, WIDEN>(xm, w, bias, om, N, K, num_threads); break;
+      default: skinny_f32<4, WIDEN>(xm, w, bias, om, N, K, num_threads); break;
     }
   }
 #else
@@ -161,10 +175,18 @@ static void linear_f32_bf16w(const float* x, const uint16_t* w, const float* bia
   for (int64_t n = 0; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * bf16_to_float(w[n * K + k]);
+      for (int64_t k = 0; k < K; ++k) {
+        if constexpr (WIDEN) s += x[m * K + k] * bf16_to_float(w[n * K + k]);
+        else s += x[m * K + k] * w[n * K + k];
+      }
       out[m * N + n] = s + (bias ? bias[n] : 0.f);
     }
 #endif
+}
+
+static void linear_f32_bf16w(const float* x, const uint16_t* w, const float* bias, float* out, int64_t M,
+                             int64_t N, int64_t K, int num_threads) {
+  linear_f32<true>(x, w, bias, out, M, N, K, num_threads);
 }
 
 #if defined(__AVX512BF16__)
@@ -379,6 +401,49 @@ static void gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias
     }
   }
 }
+
+// ---- 1-4 rows in gemm_bf16's order (batch-invariant mode) ----
+// The skinny kernel above sums each output over 16 lanes of k, then across the lanes: a different order
+// from gemm_bf16, whose output is one lane accumulating the k pairs in order. This one has gemm_bf16's
+// order: the lanes over 16 weight rows (their pairs transposed in registers, 16 pairs at a time), the
+// pairs of each row of x broadcast, one VDPBF16PS per pair in k order from zero, the same odd-K pair
+// (x_last, 0) x (w_last, 0), bias in fp32 and rounding. So a row of 1 to 4 gives the bits it gets among
+// 512, while the weights still stream once.
+template <int M>
+static void skinny_bf16_ordered(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out,
+                                int64_t N, int64_t K, int num_threads) {
+  const int64_t pairs = (K + 1) / 2;  // the last one (x_last, 0) when K is odd
+  std::vector<uint32_t> xpairs(M * pairs, 0);
+  for (int m = 0; m < M; ++m) std::memcpy(xpairs.data() + m * pairs, x + m * K, K * 2);
+  const int64_t tiles = (N + 15) / 16;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t n0 = t * 16;
+    const int nn = (int)std::min<int64_t>(16, N - n0);
+    if (n0 + 64 < N) {  // each weight row is read once, straight from memory: the rows four tiles ahead
+      const char* ahead = reinterpret_cast<const char*>(w + (n0 + 64) * K);
+      for (int64_t b = 0; b < 16 * K * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+      const int64_t k0 = 2 * p0;
+      const __mmask32 mask = K - k0 >= 32 ? ~__mmask32(0) : (__mmask32)((1u << (K - k0)) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < nn ? _mm512_maskz_loadu_epi16(mask, w + (n0 + i) * K + k0) : _mm512_setzero_si512();
+      simd::transpose16x16(r);  // r[q] lane i: pair p0 + q of weight row n0 + i
+      const int np = (int)std::min<int64_t>(16, pairs - p0);
+      for (int q = 0; q < np; ++q)
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)xpairs[m * pairs + p0 + q]),
+                                    (__m512bh)r[q]);
+    }
+    const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
+    const __m512 b = load_bias(bias, n0, nmask);
+    for (int m = 0; m < M; ++m) store_row(acc[m], b, nmask, out + m * N + n0);
+  }
+}
 #endif
 
 extern "C" {
@@ -414,6 +479,36 @@ int tidal_skinny_gemm_bf16(const void* x, const void* w, const void* bias, void*
   return 0;
 #else
   (void)xs; (void)ws; (void)bs; (void)os; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+
+// x [M, K] fp32, w [N, K] fp32, bias [N] fp32 or null, out [M, N] fp32; all contiguous. Each output is
+// the dot product of dot_tile's order whatever M is (batch-invariant mode's fp32 products).
+void tidal_linear_f32(const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t N, int64_t K,
+                      int num_threads) {
+  linear_f32<false>(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(bias),
+                    static_cast<float*>(out), M, N, K, num_threads);
+}
+
+// As tidal_skinny_gemm_bf16 (M 1..4), in tidal_gemm_bf16's order: a row's bits are those it gets from
+// tidal_gemm_bf16 in any batch. -1 when M is outside 1..4 or this build has no AVX-512 BF16.
+int tidal_skinny_gemm_bf16_ordered(const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t N,
+                                   int64_t K, int num_threads) {
+#if defined(__AVX512BF16__)
+  auto xs = static_cast<const uint16_t*>(x);
+  auto ws = static_cast<const uint16_t*>(w);
+  auto bs = static_cast<const uint16_t*>(bias);
+  auto os = static_cast<uint16_t*>(out);
+  switch (M) {
+    case 1: skinny_bf16_ordered<1>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 2: skinny_bf16_ordered<2>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 3: skinny_bf16_ordered<3>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 4: skinny_bf16_ordered<4>(xs, ws, bs, os, N, K, num_threads); return 0;
+    default: return -1;
+  }
+#else
+  (void)x; (void)w; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
   return -1;
 #endif
 }

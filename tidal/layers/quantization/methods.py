@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.forward_context import batch_invariant
 from tidal.layers import quant_kernels
-from tidal.layers.linear import UnquantizedLinearMethod
+from tidal.layers.linear import UnquantizedLinearMethod, invariant_linear
 
 FP8_MAX = 448.0  # largest finite E4M3 value
 INT8_MAX = 127.0
@@ -143,7 +144,10 @@ class UnquantizedMoEMethod:
 
     def expert_linear(self, moe: nn.Module, x: torch.Tensor, which: str, expert: int) -> torch.Tensor:
         """x [n, in] @ expert's matrix `which` ("w13" or "w2")^T."""
-        return F.linear(x, getattr(moe, f"{which}_weight")[expert])
+        weight = getattr(moe, f"{which}_weight")[expert]
+        if batch_invariant() and x.device.type == "cpu":  # a token's result whatever else its expert takes
+            return invariant_linear(x, weight, None)
+        return F.linear(x, weight)
 
 
 class Int8MoEMethod(UnquantizedMoEMethod):
