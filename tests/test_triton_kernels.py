@@ -1,0 +1,109 @@
+"""The Triton kernels against their torch references, on small shapes.
+
+Without a GPU they run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, set here before
+any kernel module is imported); with one (benchmarks/gpu_check.sh) the same tests run the compiled
+kernels on CUDA tensors. Skipped where triton is not installed.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+pytest.importorskip("numpy")
+
+from tidal.layers.attention.kv_cache_dtype import FP8, write_slots  # noqa: E402
+from tidal.layers.attention.layer import gather_kv, prefill_attention  # noqa: E402
+from tidal.layers.attention.triton_attention import paged_attention  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, cache_dtype, seed=0):
+    """A flattened batch over a paged cache with shuffled blocks: every request's K/V (context + this
+    chunk) already in the cache, as the backends write it before attending."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.zeros(len(q_lens), max(blocks_per_req) + 1, dtype=torch.int64)
+    k_cache = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=cache_dtype)
+    v_cache = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=cache_dtype)
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype == FP8 else (1.0, 1.0)
+    for r, nb in enumerate(blocks_per_req):
+        table[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
+        ks = torch.randn(seq_lens[r], num_kv_heads, head_dim, generator=g).to(dtype)
+        vs = torch.randn(seq_lens[r], num_kv_heads, head_dim, generator=g).to(dtype)
+        pos = torch.arange(seq_lens[r])
+        slots = table[r, pos // block_size] * block_size + pos % block_size
+        write_slots(k_cache, v_cache, ks, vs, slots, k_scale, v_scale)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + q_lens).cumsum(0)
+    return q, k_cache, v_cache, table, qsl, torch.tensor(seq_lens), k_scale, v_scale
+
+
+def _reference(q, k_cache, v_cache, table, qsl, seq_lens, scale, k_scale, v_scale):
+    out = torch.empty_like(q)
+    for r in range(len(seq_lens)):
+        a, b, s = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+        nb = -(-s // v_cache.shape[2])
+        ks, vs = gather_kv(k_cache, v_cache, table[r, :nb], s, torch.float32, k_scale, v_scale)
+        out[a:b] = prefill_attention(q[a:b].float(), ks, vs, s - (b - a), scale).to(q.dtype)
+    return out
+
+
+def _check(q_lens, ctx_lens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32,
+           cache_dtype=None, tile_n=16):
+    cache_dtype = cache_dtype or dtype
+    q, kc, vc, table, qsl, seq_lens, k_scale, v_scale = _batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim,
+                                                               block_size, dtype, cache_dtype)
+    scale = head_dim ** -0.5
+    want = _reference(q, kc, vc, table, qsl, seq_lens, scale, k_scale, v_scale)
+    dev = [t.to(DEVICE) for t in (q, kc, vc, table, qsl, seq_lens)]
+    got = paged_attention(*dev, scale, max(q_lens), k_scale, v_scale, tile_n=tile_n).cpu()
+    tol = TOL[dtype] if cache_dtype != FP8 else 3e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_paged_attention_decodes_only():
+    _check([1, 1, 1], [0, 6, 13])
+
+
+def test_paged_attention_mixed_batch_of_decodes_and_chunks():
+    # decodes, a chunk continuing a cached context, a fresh prompt
+    _check([1, 1, 5, 7], [9, 3, 6, 0])
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_paged_attention_block_sizes(block_size):
+    _check([1, 6], [10, 5], block_size=block_size)
+
+
+def test_paged_attention_gqa_group_not_a_power_of_two_and_odd_head_dim():
+    _check([1, 4], [7, 2], num_heads=6, num_kv_heads=2, head_dim=24)
+
+
+def test_paged_attention_mha_and_mqa():
+    _check([2, 1], [3, 5], num_heads=2, num_kv_heads=2)
+    _check([2, 1], [3, 5], num_heads=4, num_kv_heads=1)
+
+
+def test_paged_attention_chunk_longer_than_a_query_tile():
+    # 64-row tiles hold 32 tokens of a group of 2: 40 tokens span two tiles of one request
+    _check([1, 40], [4, 3], tile_n=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_half_precision(dtype):
+    _check([1, 5], [6, 2], dtype=dtype)
+
+
+def test_paged_attention_fp8_cache_with_scales():
+    _check([1, 5], [6, 2], dtype=torch.bfloat16, cache_dtype=FP8)
