@@ -7,10 +7,13 @@
                        prefix, read in place from the blocks by the native kernel (tidal/layers/cpu_kernels.py)
                        through the worker's persistent block table and a row index per token: no gather,
                        no mask, no loop over requests
-    TorchSDPABackend   wherever torch runs (the path on CUDA): decodes gather their blocks and attend with a
+    TorchSDPABackend   wherever torch runs (CUDA without triton): decodes gather their blocks and attend with a
                        padding mask; each prompt chunk takes torch's fused scaled-dot-product attention
+    TritonBackend      CUDA with triton installed: one Triton kernel attends the whole flattened batch in place
+                       through the block table (tidal/layers/attention/triton_attention.py); on a CPU only
+                       under Triton's interpreter (TRITON_INTERPRET=1), which is how it is tested without a GPU
 
-The platform (tidal/platforms.py) picks one for the device. A GPU kernel backend would add a class here.
+The platform (tidal/platforms.py) picks one for the device.
 """
 from __future__ import annotations
 
@@ -127,4 +130,40 @@ class TorchSDPABackend(AttentionBackend):
                 ks, vs = gather_kv(k_cache, v_cache, chunk.block_ids, ctx_len + q_len, q.dtype, layer.k_scale,
                                    layer.v_scale)
             out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, layer.scale)
+        return out.view(T, -1)
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor     # [T] int64
+    block_table: torch.Tensor      # [num_reqs, blocks of the longest request] int64, rows in batch order
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor         # [num_reqs] int64: tokens in the cache after this step's
+    max_query_len: int
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from tidal.layers.attention import triton_attention  # imports triton: only when this backend is chosen
+        self._attention = triton_attention.paged_attention
+
+    def build(self, step, device: torch.device) -> TritonMetadata:
+        qsl = torch.from_numpy(step.query_start_loc)
+        num_blocks = -(-step.max_seq_len // step.block_size)
+        table = step.block_table[torch.from_numpy(step.rows), :num_blocks]
+        return TritonMetadata(slot_mapping=to_device(step.slot_mapping, device), block_table=to_device(table, device),
+                              query_start_loc=to_device(qsl, device),
+                              seq_lens=to_device(torch.from_numpy(step.seq_lens), device),
+                              max_query_len=int((qsl[1:] - qsl[:-1]).max()))
+
+    def forward(self, layer, q, k, v, meta: TritonMetadata) -> torch.Tensor:
+        T = q.shape[0]
+        q = q.view(T, layer.num_heads, layer.head_dim)
+        k_cache, v_cache = split_kv_cache(layer.kv_cache)
+        write_kv(k_cache, v_cache, k.view(T, layer.num_kv_heads, layer.head_dim),
+                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale)
+        out = self._attention(q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
+                              layer.scale, meta.max_query_len, layer.k_scale, layer.v_scale)
         return out.view(T, -1)

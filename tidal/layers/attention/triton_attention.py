@@ -21,13 +21,13 @@ is imported), which is how tests/test_triton_kernels.py checks it against the to
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from tidal.layers.attention.kv_cache_dtype import FP8, storage
+from tidal.layers.triton_utils import triton_interpreting
 
 
 @triton.jit
@@ -115,13 +115,9 @@ def _paged_attention_kernel(
 def dot_dtype(dtype: torch.dtype):
     """The dtype of the dot products' operands: q's. (Triton's interpreter multiplies bf16 operands as
     their raw bits, so under it every dot is fp32.)"""
-    if interpreting() or dtype == torch.float32:
+    if triton_interpreting() or dtype == torch.float32:
         return tl.float32
     return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def tile_rows(group: int, max_query_len: int) -> tuple[int, int]:
