@@ -123,3 +123,61 @@ def test_triton_backend_matches_torch_sdpa_in_the_engine(tiny_model_dir, monkeyp
         for da, db in zip(lp_a, lp_b):
             for t, v in da.items():
                 assert db[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+
+
+# -- fused layer kernels -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype):
+    from tidal.layers import triton_kernels
+    g = torch.Generator().manual_seed(1)
+    x, res = (torch.randn(5, 48, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype)
+    out = triton_kernels.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6)
+    torch.testing.assert_close(out.cpu(), torch.nn.functional.rms_norm(x, (48,), w, 1e-6), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+    out, summed = triton_kernels.rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6, res.to(DEVICE))
+    # (the interpreter rounds bf16 toward zero, a GPU to nearest: equal there)
+    exact = 0 if ON_GPU else TOL[dtype]
+    torch.testing.assert_close(summed.cpu(), x + res, atol=exact, rtol=exact)
+    torch.testing.assert_close(out.cpu(), torch.nn.functional.rms_norm(x + res, (48,), w, 1e-6), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    from tidal.layers import triton_kernels
+    x = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = torch.nn.functional.silu(x[:, :40].float()) * x[:, 40:].float()
+    torch.testing.assert_close(triton_kernels.silu_and_mul(x.to(DEVICE)).cpu().float(), want, atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.bfloat16, FP8)])
+def test_rotary_write_kv_matches_rotate_then_write(dtype, cache_dtype):
+    from tidal.layers import triton_kernels
+    from tidal.layers.rotary import RotaryEmbedding
+    T, Hq, Hk, D, bs = 5, 4, 2, 16, 4
+    g = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(D, 64, 10000.0)
+    positions = torch.tensor([0, 7, 8, 9, 30])
+    qk = torch.randn(T, Hq + Hk, D, generator=g).to(dtype)
+    v = torch.randn(T, Hk, D, generator=g).to(dtype)
+    slots = torch.tensor([3, 9, 10, 11, 0])
+    k_scale, v_scale = (0.5, 2.0) if cache_dtype == FP8 else (1.0, 1.0)
+    # the reference: torch's rotation in fp32, then the torch cache write
+    rotated = (qk.float() * rope.cos_full[positions][:, None] + torch.cat((qk[..., D // 2:], qk[..., :D // 2]), -1)
+               * rope.sin_signed[positions][:, None]).to(dtype)
+    want_k = torch.zeros(4, Hk, D, bs, dtype=cache_dtype)
+    want_v = torch.zeros(4, Hk, bs, D, dtype=cache_dtype)
+    write_slots(want_k, want_v, rotated[:, Hq:], v, slots, k_scale, v_scale)
+    k_cache, v_cache = torch.zeros_like(want_k, device=DEVICE), torch.zeros_like(want_v, device=DEVICE)
+    q = triton_kernels.rotary_write_kv(positions.to(DEVICE), qk.to(DEVICE), v.to(DEVICE), Hq,
+                                       rope.cos_full.to(DEVICE), rope.sin_signed.to(DEVICE), k_cache, v_cache,
+                                       slots.to(DEVICE), k_scale, v_scale)
+    torch.testing.assert_close(q.cpu(), rotated[:, :Hq], atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(v_cache.cpu().view(torch.uint8), want_v.view(torch.uint8))
+    # k is rotated, rounded to bf16, then quantized: a rounding apart in bf16 may be one E4M3 step (1/8) apart
+    tol = 0.13 if cache_dtype == FP8 else TOL[dtype]
+    torch.testing.assert_close(k_cache.cpu().float(), want_k.float(), atol=tol, rtol=tol)

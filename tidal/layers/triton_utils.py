@@ -29,3 +29,12 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return triton_available()
     return t.device.type == "cpu" and triton_interpreting()
+
+
+def kernels_for(x: torch.Tensor):
+    """The fused Triton kernels (tidal/layers/triton_kernels.py) for a layer's CUDA tensor, or None: on a
+    CPU, or without triton, layers take their other paths."""
+    if x.device.type != "cuda" or not triton_available():
+        return None
+    from tidal.layers import triton_kernels
+    return triton_kernels
