@@ -109,22 +109,6 @@ def test_paged_attention_fp8_cache_with_scales():
     _check([1, 5], [6, 2], dtype=torch.bfloat16, cache_dtype=FP8)
 
 
-# -- the backend in the engine ---------------------------------------------------------------------
-
-def test_triton_backend_matches_torch_sdpa_in_the_engine(tiny_model_dir, monkeypatch):
-    """Chunked prompts, prefix-cache hits, decodes beside chunks: the same greedy tokens and close
-    logprobs through the Triton backend (interpreted on a CPU) as through torch's SDPA path."""
-    from tests.test_attention_backends import _generate
-    path = tiny_model_dir("llama")
-    triton_out = _generate(path, monkeypatch, "triton")
-    torch_out = _generate(path, monkeypatch, "torch_sdpa")
-    for (tok_a, lp_a), (tok_b, lp_b) in zip(triton_out, torch_out):
-        assert tok_a == tok_b
-        for da, db in zip(lp_a, lp_b):
-            for t, v in da.items():
-                assert db[t].logprob == pytest.approx(v.logprob, abs=1e-4)
-
-
 # -- fused layer kernels -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -181,3 +165,32 @@ def test_rotary_write_kv_matches_rotate_then_write(dtype, cache_dtype):
     # k is rotated, rounded to bf16, then quantized: a rounding apart in bf16 may be one E4M3 step (1/8) apart
     tol = 0.13 if cache_dtype == FP8 else TOL[dtype]
     torch.testing.assert_close(k_cache.cpu().float(), want_k.float(), atol=tol, rtol=tol)
+
+
+# -- the backend in the engine ---------------------------------------------------------------------
+
+def _generate(path, monkeypatch, backend):
+    from tests.helpers import random_prompts, tiny_llm
+    from tidal import SamplingParams
+    monkeypatch.setenv("TIDAL_ATTENTION_BACKEND", backend)
+    llm = tiny_llm(path, max_num_batched_tokens=16, block_size=4)
+    assert llm.llm_engine.runner.attn_backend.name == backend
+    prompts = random_prompts(3, 5, 20, llm.llm_engine.vocab_size, seed=7)
+    prompts.append(prompts[0] + [5, 6, 7])  # a prefix-cache hit: a chunk over a cached context
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def test_triton_backend_matches_torch_sdpa_in_the_engine(tiny_model_dir, monkeypatch):
+    """Chunked prompts (16-token steps), a prefix-cache hit, decodes beside chunks: the same greedy tokens
+    and close logprobs through the Triton backend (interpreted on a CPU; rotary + cache write fused) as
+    through torch's SDPA path."""
+    path = tiny_model_dir("llama")
+    triton_out = _generate(path, monkeypatch, "triton")
+    torch_out = _generate(path, monkeypatch, "torch_sdpa")
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(triton_out, torch_out):
+        assert tok_a == tok_b
+        for da, db in zip(lp_a, lp_b):
+            for t, v in da.items():
+                assert db[t].logprob == pytest.approx(v.logprob, abs=1e-4)

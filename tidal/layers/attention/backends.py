@@ -146,8 +146,10 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from tidal.layers.attention import triton_attention  # imports triton: only when this backend is chosen
-        self._attention = triton_attention.paged_attention
+        # import triton only when this backend is chosen
+        from tidal.layers import triton_kernels
+        from tidal.layers.attention import triton_attention
+        self._attention, self._kernels = triton_attention.paged_attention, triton_kernels
 
     def build(self, step, device: torch.device) -> TritonMetadata:
         qsl = torch.from_numpy(step.query_start_loc)
@@ -160,10 +162,25 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, meta: TritonMetadata) -> torch.Tensor:
         T = q.shape[0]
-        q = q.view(T, layer.num_heads, layer.head_dim)
         k_cache, v_cache = split_kv_cache(layer.kv_cache)
         write_kv(k_cache, v_cache, k.view(T, layer.num_kv_heads, layer.head_dim),
                  v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale)
+        return self._attend(layer, q.view(T, layer.num_heads, layer.head_dim), k_cache, v_cache, meta)
+
+    def forward_rotary(self, layer, positions, qk, v, rotary, meta: TritonMetadata) -> torch.Tensor:
+        """q/k not yet rotated: one kernel rotates q, and rotates k and writes it with v into the cache."""
+        T = qk.shape[0]
+        k_cache, v_cache = split_kv_cache(layer.kv_cache)
+        q = self._kernels.rotary_write_kv(positions, qk, v.view(T, layer.num_kv_heads, layer.head_dim),
+                                          layer.num_heads, rotary.cos_full, rotary.sin_signed, k_cache, v_cache,
+                                          meta.slot_mapping, layer.k_scale, layer.v_scale)
+        if q is None:  # a layout the kernel does not take
+            qk = rotary.rotate(positions, qk).view(T, -1)
+            q_size = layer.num_heads * layer.head_dim
+            return self.forward(layer, qk[:, :q_size], qk[:, q_size:], v, meta)
+        return self._attend(layer, q, k_cache, v_cache, meta)
+
+    def _attend(self, layer, q, k_cache, v_cache, meta: TritonMetadata) -> torch.Tensor:
         out = self._attention(q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
                               layer.scale, meta.max_query_len, layer.k_scale, layer.v_scale)
-        return out.view(T, -1)
+        return out.view(q.shape[0], -1)
