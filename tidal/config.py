@@ -48,6 +48,9 @@ class EngineConfig:
     # Tidal never runs code from a checkpoint (its own implementations of the supported architectures
     # load the weights), so True is harmless: it is accepted with one log line saying so
     trust_remote_code: bool = False
+    # "auto": the checkpoint's weights; "dummy" (vLLM's name): random weights made on the device, no checkpoint
+    # read (model: a config.json folder, or a bundled config: "smollm2-135m", "llama-3-8b"), for benchmarks
+    load_format: str = "auto"
     # vLLM's CPU swap space (GiB) for preempted requests' KV blocks: Tidal preempts by recomputation,
     # so only 0 is accepted
     swap_space: float = 0
@@ -76,6 +79,9 @@ class EngineConfig:
                              f"checkpoint's own weights); got {self.quantization!r}")
         from tidal.layers.attention.kv_cache_dtype import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)  # "auto" (the model's dtype), "fp8" / "fp8_e4m3"
+        from tidal.loader.loader import LOAD_FORMATS
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}; got {self.tokenizer_mode!r} "
                              "(Tidal loads tokenizers with transformers only: no 'mistral' or custom tokenizers)")

