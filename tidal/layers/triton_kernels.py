@@ -120,11 +120,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     T, N = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else out
+    block = triton.next_power_of_2(N)
     if T:
         _rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out, residual_out, N, eps,
                                x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
-                               residual_out.stride(0), HAS_RESIDUAL=residual is not None,
-                               BLOCK=triton.next_power_of_2(N))
+                               residual_out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
+                               num_warps=min(8, max(1, block // 512)))
     return out if residual is None else (out, residual_out)
 
 

@@ -158,5 +158,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         *k_store.stride(), *v_store.stride(), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, FP8_CACHE=fp8,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_DTYPE=dot_dtype(q.dtype))
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, DOT_DTYPE=dot_dtype(q.dtype))
     return out
