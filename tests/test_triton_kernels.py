@@ -194,3 +194,14 @@ def test_triton_backend_matches_torch_sdpa_in_the_engine(tiny_model_dir, monkeyp
         for da, db in zip(lp_a, lp_b):
             for t, v in da.items():
                 assert db[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+
+
+def test_cuda_platform_defaults_to_triton_and_falls_back_to_torch_with_a_log_line(monkeypatch, caplog):
+    from tidal import platforms
+    monkeypatch.delenv("TIDAL_ATTENTION_BACKEND", raising=False)
+    cuda = platforms.CudaPlatform(torch.device("cuda"))
+    assert cuda.attention_backend().name == "triton"
+    monkeypatch.setattr(platforms, "triton_available", lambda: False)
+    with caplog.at_level("INFO", logger="tidal.platforms"):
+        assert cuda.attention_backend().name == "torch_sdpa"
+    assert "triton is not installed" in caplog.text
