@@ -46,7 +46,7 @@ def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # one compiled kernel whatever the batch (Triton treats 1 apart)
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
         qk_scale, v_scale, num_reqs,
