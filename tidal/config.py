@@ -31,7 +31,9 @@ class EngineConfig:
     # max_num_batched_tokens >= max_model_len (the default budget is raised to it)
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds the sampler's generator for requests without their own seed
-    enforce_eager: bool = False  # always true in effect: nothing is compiled or captured as a graph
+    # always true in effect: no CUDA graph is captured and torch.compile never runs (Triton's kernels are
+    # compiled on first use either way)
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
