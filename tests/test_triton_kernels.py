@@ -174,11 +174,11 @@ def test_rotary_write_kv_matches_rotate_then_write(dtype, cache_dtype):
 
 # -- the backend in the engine ---------------------------------------------------------------------
 
-def _generate(path, monkeypatch, backend):
+def _generate(path, monkeypatch, backend, kv_cache_dtype="auto"):
     from tests.helpers import random_prompts, tiny_llm
     from tidal import SamplingParams
     monkeypatch.setenv("TIDAL_ATTENTION_BACKEND", backend)
-    llm = tiny_llm(path, max_num_batched_tokens=16, block_size=4)
+    llm = tiny_llm(path, max_num_batched_tokens=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
     assert llm.llm_engine.runner.attn_backend.name == backend
     prompts = random_prompts(3, 5, 20, llm.llm_engine.vocab_size, seed=7)
     prompts.append(prompts[0] + [5, 6, 7])  # a prefix-cache hit: a chunk over a cached context
@@ -187,18 +187,21 @@ def _generate(path, monkeypatch, backend):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def test_triton_backend_matches_torch_sdpa_in_the_engine(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_triton_backend_matches_torch_sdpa_in_the_engine(tiny_model_dir, monkeypatch, kv_cache_dtype):
     """Chunked prompts (16-token steps), a prefix-cache hit, decodes beside chunks: the same greedy tokens
     and close logprobs through the Triton backend (interpreted on a CPU; rotary + cache write fused) as
-    through torch's SDPA path."""
+    through torch's SDPA path, with an fp32 cache and with an FP8 one."""
     path = tiny_model_dir("llama")
-    triton_out = _generate(path, monkeypatch, "triton")
-    torch_out = _generate(path, monkeypatch, "torch_sdpa")
+    triton_out = _generate(path, monkeypatch, "triton", kv_cache_dtype)
+    torch_out = _generate(path, monkeypatch, "torch_sdpa", kv_cache_dtype)
+    # FP8: a k rotated a last bit apart on either path can round to the neighbouring E4M3 value (1/8 away)
+    tol = 1e-4 if kv_cache_dtype == "auto" else 2e-2
     for (tok_a, lp_a), (tok_b, lp_b) in zip(triton_out, torch_out):
         assert tok_a == tok_b
         for da, db in zip(lp_a, lp_b):
             for t, v in da.items():
-                assert db[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+                assert db[t].logprob == pytest.approx(v.logprob, abs=tol)
 
 
 def test_cuda_platform_defaults_to_triton_and_falls_back_to_torch_with_a_log_line(monkeypatch, caplog):
