@@ -58,9 +58,10 @@ def _to_e4m3_bytes(x, EMULATE: tl.constexpr):
         exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         # the spacing of E4M3 values around x: 3 mantissa bits; subnormals below 2^-6
         quantum = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        y = x / quantum
-        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |y| < 2^22 to an integer, ties to even
-        x = ((y + magic) - magic) * quantum
+        y = tl.abs(x) / quantum
+        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds 0 <= y < 2^22 to an integer, ties to even
+        rounded = ((y + magic) - magic) * quantum
+        x = tl.where(x < 0, -rounded, rounded)  # (-0.0 for a small negative x, as torch makes it)
     return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 
