@@ -173,6 +173,24 @@ def test_rotary_write_kv_matches_rotate_then_write(dtype, cache_dtype):
     torch.testing.assert_close(k_cache.cpu().float(), want_k.float(), atol=tol, rtol=tol)
 
 
+# -- compiled for a GPU, without one -------------------------------------------------------------------
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the tests above run the compiled kernels")
+def test_every_kernel_compiles_for_sm90_without_a_gpu():
+    """Triton lowers each kernel variant the engine launches to PTX and a cubin for sm_90 (H100 / H200)
+    with its bundled ptxas: what the interpreter cannot check (tests/triton_compile_check.py)."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_compile_check.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=300)
+    if "ptxas" in done.stderr and "not found" in done.stderr:
+        pytest.skip("triton's bundled ptxas is missing")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count("ok ") == len(done.stdout.splitlines()) > 0
+
+
 # -- the backend in the engine ---------------------------------------------------------------------
 
 def _generate(path, monkeypatch, backend, kv_cache_dtype="auto"):
