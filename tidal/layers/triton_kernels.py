@@ -150,7 +150,8 @@ def rotary_write_kv(positions: torch.Tensor, qk: torch.Tensor, v: torch.Tensor, 
     v_cache [nb, Hk, bs, D] (an FP8 cache gets k / k_scale, v / v_scale). Rotates q into a new
     [T, Hq, D] tensor (returned) and k into its cache slots, and writes v; None where it does not apply
     (heads not contiguous)."""
-    if qk.stride(2) != 1 or v.stride(2) != 1 or cos_full.dtype != torch.float32:
+    if (qk.stride(2) != 1 or v.stride(2) != 1 or cos_full.dtype != torch.float32
+            or cos_full.shape[1] != qk.shape[2]):  # (a rotary over part of each head: not this kernel)
         return None
     T, H, D = qk.shape
     q_out = torch.empty(T, num_q_heads, D, dtype=qk.dtype, device=qk.device)
