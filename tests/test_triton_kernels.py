@@ -231,6 +231,7 @@ def test_cuda_platform_defaults_to_triton_and_falls_back_to_torch_with_a_log_lin
     cuda = platforms.CudaPlatform(torch.device("cuda"))
     assert cuda.attention_backend().name == "triton"
     monkeypatch.setattr(platforms, "triton_available", lambda: False)
+    platforms._log_no_triton.cache_clear()
     with caplog.at_level("INFO", logger="tidal.platforms"):
         assert cuda.attention_backend().name == "torch_sdpa"
     assert "triton is not installed" in caplog.text

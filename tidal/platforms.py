@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import cache
 
 import torch
 
@@ -75,9 +76,14 @@ class CudaPlatform(Platform):
     def default_attention_backend(self) -> AttentionBackend:
         if triton_available():
             return TritonBackend()
-        logger.info("triton is not installed: attention, norms, rotary and activations on CUDA take torch's "
-                    "paths (pip install 'tidal[gpu]' for the Triton kernels)")
+        _log_no_triton()
         return TorchSDPABackend()
+
+
+@cache
+def _log_no_triton() -> None:  # once per process, however many runners ask
+    logger.info("triton is not installed: attention, norms, rotary and activations on CUDA take torch's paths "
+                "(pip install 'tidal[gpu]' for the Triton kernels)")
 
 
 class MetaPlatform(Platform):
