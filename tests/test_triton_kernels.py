@@ -105,6 +105,11 @@ def test_paged_attention_chunk_longer_than_a_query_tile():
     _check([1, 40], [4, 3], tile_n=16)
 
 
+def test_paged_attention_smollm2_shape_with_default_tiles():
+    # 9 query heads over 3 KV heads, head size 64, blocks of 16, the launcher's own key tile
+    _check([1, 1, 20], [40, 70, 33], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, tile_n=32)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_attention_half_precision(dtype):
     _check([1, 5], [6, 2], dtype=dtype)
