@@ -240,3 +240,16 @@ def test_cuda_platform_defaults_to_triton_and_falls_back_to_torch_with_a_log_lin
     with caplog.at_level("INFO", logger="tidal.platforms"):
         assert cuda.attention_backend().name == "torch_sdpa"
     assert "triton is not installed" in caplog.text
+
+
+def test_paged_attention_reads_q_as_a_slice_of_the_fused_qkv_output():
+    q, kc, vc, table, qsl, seq_lens, k_scale, v_scale = _batch([1, 4], [5, 3], 4, 2, 16, 4, torch.float32,
+                                                               torch.float32)
+    qkv = torch.cat([q.reshape(5, -1), torch.randn(5, 2 * 2 * 16)], dim=1).to(DEVICE)  # [T, (Hq + 2 Hk) * D]
+    strided = qkv[:, :4 * 16].view(5, 4, 16)
+    assert strided.stride(0) == 8 * 16
+    want = _reference(q, kc, vc, table, qsl, seq_lens, 0.25, k_scale, v_scale)
+    dev = [t.to(DEVICE) for t in (kc, vc, table, qsl, seq_lens)]
+    got = paged_attention(strided, *dev, 0.25, 4)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)

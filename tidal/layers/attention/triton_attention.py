@@ -142,8 +142,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads, block_size = v_cache.shape[1], v_cache.shape[2]
     group = num_heads // num_kv_heads
     num_reqs = seq_lens.shape[0]
-    if out is None:
-        out = torch.empty_like(q)
+    if out is None:  # contiguous whatever q's strides (q may be a slice of the fused qkv output)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
     assert q.stride(2) == 1 and out.stride(2) == 1, "the head dimension must be contiguous"
