@@ -7,6 +7,7 @@ import pytest
 
 from tests.helpers import assert_engine_idle, tiny_llm
 from tidal import CompletionOutput, RequestOutput, SamplingParams
+from tidal.engine.output_processor import OutputProcessor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -205,8 +206,10 @@ def test_request_ids_never_clobber_another_requests_samples(tiny_model_dir):
     engine.add_request("y#0", {"prompt_token_ids": [3, 4, 5]}, params)
     engine.add_request("y", {"prompt_token_ids": [6, 7, 8]}, two)       # its samples are renamed
     engine.add_request("x", {"prompt_token_ids": [9, 10, 11]}, two)
-    with pytest.raises(ValueError, match="'x#0' is already in use"):
+    with pytest.raises(ValueError, match=r"'x#0' is already in use \(by sample 0 of request 'x'\)"):
         engine.add_request("x#0", {"prompt_token_ids": [1, 2]}, params)
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        engine.add_request("x", {"prompt_token_ids": [1, 2]}, two)
     outs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -216,6 +219,34 @@ def test_request_ids_never_clobber_another_requests_samples(tiny_model_dir):
     assert outs["y#0"].prompt_token_ids == [3, 4, 5] and len(outs["y#0"].outputs) == 1
     for rid in ("x", "y"):
         assert [len(o.token_ids) for o in outs[rid].outputs] == [5, 5]
+    assert_engine_idle(engine)
+
+
+def test_output_processor_refuses_an_id_in_use_and_keeps_its_state():
+    op = OutputProcessor(tokenizer=None)
+    params = SamplingParams(n=2)
+    op.add_request("x", None, [1, 2], params, ["x#0", "x#1"], arrival_time=0.0)
+    state = op.states["x"]
+    with pytest.raises(ValueError, match="request_id 'x' is already in use"):
+        op.add_request("x", None, [3], SamplingParams(), ["x"], arrival_time=1.0)
+    with pytest.raises(ValueError, match=r"sample ids of request 'y' collide: \['x#1'\]"):
+        op.add_request("y", None, [3], SamplingParams(), ["x#1"], arrival_time=1.0)
+    assert op.states == {"x": state} and op.child_to_parent == {"x#0": ("x", 0), "x#1": ("x", 1)}
+
+
+def test_a_request_aborted_mid_prompt_reports_when_it_was_scheduled(tiny_model_dir):
+    """Its prompt is split across steps (chunked prefill): aborted before its first token, its metrics
+    still say when it was first scheduled."""
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=8, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    engine.add_request("long", {"prompt_token_ids": list(range(3, 43))}, GREEDY.clone(n=2))
+    assert engine.step() == []  # 16 of the first sample's 40 prompt tokens
+    scheduled_at = engine.scheduler.requests["long#0"].first_scheduled_time
+    assert scheduled_at is not None
+    (out,) = engine.abort_request("long")
+    m = out.metrics
+    assert out.finished and m.first_token_time is None
+    assert m.first_scheduled_time == scheduled_at and m.arrival_time <= m.first_scheduled_time
     assert_engine_idle(engine)
 
 

@@ -73,6 +73,39 @@ def test_every_flag_in_help_is_in_docs_cli(argv, monkeypatch):
     assert not missing, f"docs/cli.md does not mention these flags of tidal {' '.join(argv)}: {missing}"
 
 
+def cli_parsers():
+    """(argv, parser) of each subcommand, as `tidal` builds them."""
+    parser = cli.build_parser()
+    subparsers = {}
+
+    def walk(p, prefix):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    subparsers[(*prefix, name)] = sub
+                    walk(sub, (*prefix, name))
+
+    walk(parser, ())
+    return [(argv, subparsers[argv]) for argv in SUBCOMMANDS]
+
+
+@pytest.mark.parametrize("argv,parser", cli_parsers(), ids=[" ".join(a) for a in SUBCOMMANDS])
+def test_every_choice_of_a_flag_is_in_its_docs_cli_row(argv, parser):
+    """A flag with a fixed set of values (--quantization, --kv-cache-dtype, ...) lists them all in its
+    row of docs/cli.md's tables."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")) as f:
+        rows = [line.split("|")[1:] for line in f if line.startswith("| `")]
+    for action in parser._actions:
+        if not action.choices or not action.option_strings:
+            continue
+        flag = next(o for o in action.option_strings if o.startswith("--"))
+        cells = [" ".join(r) for r in rows if re.search(rf"`{re.escape(flag)}(?![\w-])", r[0])]
+        assert cells, f"docs/cli.md has no row for {flag} (tidal {' '.join(argv)})"
+        missing = [c for c in action.choices if not any(re.search(rf"(?<![\w-]){re.escape(str(c))}(?![\w-])", cell)
+                                                        for cell in cells)]
+        assert not missing, f"docs/cli.md's row for {flag} does not name {missing} (tidal {' '.join(argv)})"
+
+
 # A non-default value of each engine flag, and the EngineConfig field it must set.
 ENGINE_FLAG_VALUES = {
     "--model": (["--model", "m"], "model", "m"), "--tokenizer": (["--tokenizer", "t"], "tokenizer", "t"),

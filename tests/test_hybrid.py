@@ -251,16 +251,39 @@ def test_next_conversation_turn_hits_the_previous_answer(tmp_path):
     assert cached.outputs[0].token_ids == expected.tolist()
 
 
-def test_identical_prompts_in_one_step_do_not_read_an_unwritten_checkpoint(tmp_path):
+def test_identical_prompts_in_one_step_wait_for_the_first_ones_checkpoint(tmp_path):
+    """The first computes the prompt and checkpoints its state at 32 tokens; the others never read the
+    checkpoint before the step that writes it has run: they wait a step, then hit it."""
     path = str(tmp_path)
     save_tiny_hybrid("jamba", path)
     llm = LLM(path, enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20,
               **{**ENGINE, "max_num_batched_tokens": 256})
+    stats = llm.llm_engine.stats
     outs = llm.generate([{"prompt_token_ids": PROMPTS[4]}] * 3, PC_PARAMS, use_tqdm=False)
-    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # the checkpoint is written by that step
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
+    assert stats.num_prompt_tokens == 34 + 2 * 2
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
     later = _one_at_a_time(llm, [PROMPTS[4]])[0]
     assert later.num_cached_tokens == 32 and later.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 1])
+def test_n_samples_on_a_hybrid_compute_the_prompt_once(tmp_path, prompt_logprobs):
+    """n = 3 (with prompt logprobs, which only the first sample computes): samples 1 and 2 wait for
+    sample 0's state checkpoint and compute only the 2 tokens after it."""
+    path = str(tmp_path)
+    save_tiny_hybrid("jamba", path)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(path, enable_prefix_caching=caching, kv_cache_memory_bytes=4 << 20,
+                  **{**ENGINE, "max_num_batched_tokens": 256})
+        params = SamplingParams(n=3, seed=3, temperature=1.0, max_tokens=6, ignore_eos=True,
+                                prompt_logprobs=prompt_logprobs)
+        outs[caching] = llm.generate({"prompt_token_ids": PROMPTS[4]}, params, use_tqdm=False)[0]
+        assert llm.llm_engine.stats.num_prompt_tokens == (34 + 2 * 2 if caching else 3 * 34)
+    assert [o.token_ids for o in outs[True].outputs] == [o.token_ids for o in outs[False].outputs]
+    if prompt_logprobs is not None:
+        assert len(outs[True].prompt_logprobs) == 34
 
 
 def test_abort_returns_the_state_slot(tmp_path):

@@ -220,6 +220,20 @@ def test_reset_prefix_cache_reports_blocks_still_in_use(model_dir):
     assert engine.kv_manager.pool.num_cached_blocks == 0
 
 
+def test_reset_prefix_cache_reports_a_running_request_without_full_blocks(model_dir):
+    """A prompt shorter than a block holds no cached block yet, but its block enters the cache when it
+    fills: the reset is not complete while it runs."""
+    llm = make_llm(model_dir)
+    engine = llm.llm_engine
+    engine.add_request("short", {"prompt_token_ids": list(range(1, BS // 2))}, greedy(BS))
+    engine.step()
+    assert engine.kv_manager.pool.num_cached_blocks == 0 and engine.kv_manager.pool.num_used_blocks == 1
+    assert llm.reset_prefix_cache() is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() is True
+
+
 def test_no_enable_prefix_caching_flag(model_dir):
     parser = add_engine_args(argparse.ArgumentParser())
     assert engine_config_from_args(parser.parse_args([]), model_dir).enable_prefix_caching is True

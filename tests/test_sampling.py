@@ -36,6 +36,13 @@ def test_min_tokens_above_max_tokens_is_refused():
         SamplingParams(min_tokens=10, max_tokens=5)
 
 
+def test_extra_arguments_are_refused_not_ignored():
+    """vLLM's extra_args go to sampling plugins; Tidal has none, so they would do nothing."""
+    with pytest.raises(ValueError, match=r"extra must be empty .*got \{'my_plugin': 1\}"):
+        SamplingParams(extra={"my_plugin": 1})
+    assert SamplingParams(extra={}).extra == {}
+
+
 def test_valid_values_are_accepted_and_normalised():
     p = SamplingParams(top_k=-1, stop="###", temperature=0.0, top_p=0.5)
     assert p.top_k == 0 and p.stop == ["###"] and p.greedy and p.top_p == 1.0

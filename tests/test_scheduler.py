@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -271,3 +272,17 @@ def test_abort_of_waiting_and_running_requests_frees_blocks():
     assert running.output_token_ids == [] and not scheduler.has_unfinished_requests()
     assert kv.pool.num_free_blocks == 16
     assert scheduler.schedule().finished_ids == ["r1", "r0"]
+
+
+def test_a_request_id_in_use_is_refused_not_replaced():
+    kv = KVCacheManager(16, 4)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    first = make_request(0, [1] * 9, 5)
+    scheduler.add_request(first)
+    scheduler.schedule()
+    with pytest.raises(ValueError, match="request_id 'r0' is already in use"):
+        scheduler.add_request(make_request(0, [2] * 3, 5))
+    assert scheduler.requests["r0"] is first and list(scheduler.waiting) == [] and scheduler.running == [first]
+    scheduler.finish_request("r0", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(make_request(0, [2] * 3, 5))  # free again once finished
+    assert kv.pool.num_free_blocks == 16

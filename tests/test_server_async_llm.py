@@ -1,6 +1,7 @@
 """AsyncLLM on a tiny random model: concurrent streams equal the offline engine's outputs, an early
 exit aborts and frees blocks within one step, bad prompts are refused before queueing, engine
-failures reach every caller instead of hanging, and shutdown ends open streams."""
+failures reach every caller instead of hanging, shutdown ends open streams, and a function can be run
+on the engine thread between steps."""
 from __future__ import annotations
 
 import asyncio
@@ -145,3 +146,29 @@ def test_shutdown_ends_open_streams(make_async_llm):
 
     asyncio.run(main())
     assert not async_llm._thread.is_alive()
+
+
+def test_call_in_engine_runs_between_steps_on_the_engine_thread(make_async_llm):
+    async_llm = make_async_llm()
+
+    def where(engine):
+        return threading.current_thread().name, engine.stats.num_steps
+
+    def broken(engine):
+        raise ValueError("bad reading")
+
+    async def main():
+        gen = async_llm.generate([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), "c")
+        first = await asyncio.wait_for(anext(gen), TIMEOUT)
+        thread, steps = await asyncio.wait_for(async_llm.call_in_engine(where), TIMEOUT)
+        assert thread == "tidal-engine" and steps >= 1
+        with pytest.raises(ValueError, match="bad reading"):  # the caller's error; the engine runs on
+            await asyncio.wait_for(async_llm.call_in_engine(broken), TIMEOUT)
+        rest = await asyncio.wait_for(_collect_rest(gen), TIMEOUT)
+        assert len(first.outputs[0].token_ids) + len(rest) == 50
+
+    async def _collect_rest(gen):
+        return [t async for out in gen for t in out.outputs[0].token_ids]
+
+    asyncio.run(main())
+    assert async_llm.is_running

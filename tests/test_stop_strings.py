@@ -12,6 +12,9 @@ import itertools
 import pytest
 
 from tidal import SamplingParams
+from tidal.engine.output_processor import OutputProcessor
+from tidal.engine.stop_checker import append_tokens
+from tidal.request import Request
 from tidal.tokenizer import IncrementalDetokenizer, check_stop_strings
 
 MAX_TOKENS = 40
@@ -194,8 +197,38 @@ def test_incremental_detokenizer_skips_special_tokens(_smollm2_session):
     ids = tok.encode("Hi there") + [tok.eos_token_id] + tok.encode(" 你好")
     detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
     assert "".join(detok.add(t) for t in ids) == tok.decode(ids, skip_special_tokens=True)
-    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False, spaces_between_special_tokens=False)
     assert "".join(detok.add(t) for t in ids) == tok.decode(ids, skip_special_tokens=False)
+
+
+def test_spaces_between_special_tokens_sets_kept_special_tokens_apart(_smollm2_session):
+    tok = _smollm2_session.get_tokenizer()
+    before, after = tok.encode("Hi there"), tok.encode(" 你好")
+    ids = before + [tok.eos_token_id, tok.bos_token_id or 1] + after
+    eos, bos = tok.decode([tok.eos_token_id]), tok.decode([tok.bos_token_id or 1])
+    spaced = IncrementalDetokenizer(tok, [], skip_special_tokens=False, spaces_between_special_tokens=True)
+    assert "".join(spaced.add(t) for t in ids) == f"Hi there {eos} {bos}  你好"  # " 你好" keeps its own space
+    joined = IncrementalDetokenizer(tok, [], skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert "".join(joined.add(t) for t in ids) == f"Hi there{eos}{bos} 你好"
+    skipped = IncrementalDetokenizer(tok, [], skip_special_tokens=True, spaces_between_special_tokens=True)
+    assert "".join(skipped.add(t) for t in ids) == "Hi there 你好"  # nothing kept, nothing to set apart
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_engine_text_follows_spaces_between_special_tokens(_smollm2_session, spaces):
+    """The output processor hands the option to each sample's detokenizer (a chat-template prompt
+    whose last tokens are special: the first output token follows one)."""
+    tok = _smollm2_session.get_tokenizer()
+    op = OutputProcessor(tok)
+    prompt = tok.encode("Hi") + [tok.eos_token_id]
+    params = SamplingParams(max_tokens=8, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    op.add_request("r", None, prompt, params, ["r"], arrival_time=0.0)
+    request = Request("r", prompt, params, eos_token_ids=(tok.eos_token_id,))
+    out_ids = tok.encode("Yes") + [tok.eos_token_id]
+    append_tokens(request, out_ids, max_model_len=64, text=op.sample_text("r"))
+    op.process_tokens(request, out_ids, None)
+    eos = tok.decode([tok.eos_token_id])
+    assert op.make_output("r").outputs[0].text == (f" Yes {eos}" if spaces else f"Yes{eos}")
 
 
 def test_engine_text_equals_decode_for_multibyte_output(smollm2):

@@ -40,12 +40,14 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # with skip_special_tokens=False: a space either side of each special token in the text, as vLLM's
+    # slow-tokenizer detokenizer (tidal/tokenizer.py)
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: str = "final"  # "final" | "cumulative" | "delta" (the server streams deltas)
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # vLLM's extra_args, for sampling plugins: Tidal has none
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +95,8 @@ class SamplingParams:
                self.stop_token_ids, "a list of non-negative token ids")
         _check(self.output_kind in ("final", "cumulative", "delta"), "output_kind", self.output_kind,
                "'final', 'cumulative' or 'delta'")
+        _check(isinstance(self.extra, dict) and not self.extra, "extra", self.extra,
+               "empty (arguments for sampling plugins, which Tidal does not have)")
         self._check_structured_outputs()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters cannot change the argmax; drop them so the sampler takes its fast path.

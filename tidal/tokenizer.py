@@ -11,13 +11,22 @@ from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    """skip_special_tokens and spaces_between_special_tokens are vLLM's SamplingParams options: special
+    tokens are left out of the text, or kept and, with spaces_between_special_tokens, set apart from
+    their neighbours by a space, as vLLM's detokenizer does with a slow tokenizer
+    ("<|im_start|> user"); without it they are joined as the tokenizer decodes them
+    ("<|im_start|>user", which is all transformers 5 and vLLM's fast-tokenizer path ever give)."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-6:])  # context for spacing; never emitted
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
         self._decode = _window_decoder(tokenizer)
+        if spaces_between_special_tokens and not skip_special_tokens:
+            self._decode = _spaced_decoder(self._decode, special_token_ids(tokenizer))
 
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes ('' if it ends mid-character)."""
@@ -39,6 +48,41 @@ def _window_decoder(tokenizer):
             not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return backend.decode
     return tokenizer.decode
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (those skip_special_tokens leaves out); other added
+    tokens, such as a tool-call tag that is not special, are text like any other."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(token_id)
+    return frozenset(ids)
+
+
+def _spaced_decoder(decode, special: frozenset[int]):
+    """decode, with each special token set apart from its neighbours by one space: the runs of other
+    tokens between them are decoded each on its own (vLLM's slow-tokenizer detokenization)."""
+    if not special:
+        return decode
+
+    def spaced(ids, skip_special_tokens: bool = False) -> str:
+        if not any(i in special for i in ids):
+            return decode(ids, skip_special_tokens=False)
+        parts, run = [], []
+        for i in ids:
+            if i in special:
+                if run:
+                    parts.append(decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(decode([i], skip_special_tokens=False))
+            else:
+                run.append(i)
+        if run:
+            parts.append(decode(run, skip_special_tokens=False))
+        return " ".join(parts)
+
+    return spaced
 
 
 def check_stop_strings(text: str, new_len: int, stops: list[str], include: bool) -> tuple[str, int] | None:

@@ -54,6 +54,11 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt))
         return hashes
 
+    def block_hashes(self, request: Request, num_tokens: int) -> list[bytes]:
+        """The hashes of the request's first num_tokens // block_size blocks (what the prefix cache
+        keys them by), whether or not they are allocated yet."""
+        return self._block_hashes(request, num_tokens)[:num_tokens // self.block_size]
+
     # -- lookup / allocation ---------------------------------------------------------------------
     def reads_prefix_cache(self, request: Request) -> bool:
         """Requests asking for prompt logprobs compute every prompt token (a cached block has KV

@@ -99,6 +99,9 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:  # never replace a live request: its blocks would leak
+            raise ValueError(f"request_id {request.request_id!r} is already in use by a running or "
+                             "waiting request")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -165,6 +168,7 @@ class Scheduler:
         # 2. waiting requests, first come first served (not in a step that had to preempt); one whose
         # grammar is still compiling stays in place while the requests behind it go ahead
         skip = 0
+        coming: set[bytes] | None = None  # Mamba state checkpoints that running prompts have yet to reach
         while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[skip]
             if request.structured is not None and not request.structured.ready:
@@ -175,8 +179,16 @@ class Scheduler:
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
             restore = None
             if self.state_checkpoints is not None and computed_blocks:  # a hit needs the Mamba state too
-                n, restore = self.state_checkpoints.lookup(self.kv.req_to_hashes[request.request_id],
-                                                           len(computed_blocks))
+                hashes = self.kv.req_to_hashes[request.request_id]
+                n, restore = self.state_checkpoints.lookup(hashes, len(computed_blocks))
+                if n < len(computed_blocks):
+                    if coming is None:
+                        coming = {h for r in self.running if (h := self._checkpoint_coming(r)) is not None}
+                    if not coming.isdisjoint(hashes[n:len(computed_blocks)]):
+                        # a running request is computing this prefix (e.g. the first of n samples): wait for
+                        # its checkpoint rather than compute the prefix again
+                        skip += 1
+                        continue
                 computed_blocks, num_cached = computed_blocks[:n], n * self.kv.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -199,6 +211,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+            if coming is not None and (h := self._checkpoint_coming(request)) is not None:
+                coming.add(h)
 
         out = SchedulerOutput(
             scheduled=[self._describe(r, n) for r, n in scheduled],
@@ -208,6 +222,17 @@ class Scheduler:
         )
         self._finished_ids = []
         return out
+
+    def _checkpoint_coming(self, request: Request) -> bytes | None:
+        """The block hash at which a running request will checkpoint its Mamba state when its prompt
+        gets there (see _state_checkpoint), if it has not yet: a waiting request whose prefix ends
+        there can read it then. A running request advances every step it is not preempted, so a
+        wait on it ends."""
+        bs = self.kv.block_size
+        boundary = (request.num_prompt_tokens - 1) // bs * bs
+        if not boundary or request.num_computed_tokens >= boundary:
+            return None
+        return self.kv.block_hashes(request, boundary)[boundary // bs - 1]
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start, rid = request.num_computed_tokens, request.request_id

@@ -35,6 +35,10 @@ class StateCheckpoints:
         self._latest: dict[str, bytes] = {}  # request id -> its moving output checkpoint
         self.num_hits = 0
 
+    def counts(self) -> tuple[int, int]:
+        """(readable checkpoints, checkpoints being written by the next forward)."""
+        return len(self._valid), len(self._pending)
+
     def commit(self) -> None:
         """The previous step's forward has run: its checkpoints are now readable."""
         self._valid.update(self._pending)

@@ -19,6 +19,10 @@ class StatePool:
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    def owners(self) -> dict[int, str]:
+        """Slot -> id of the request holding it (a copy)."""
+        return dict(self._owner)
+
     def allocate(self, request_id: str) -> int | None:
         if not self._free:
             return None

@@ -52,6 +52,20 @@ class _Stream:
             pass
 
 
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
+    def settle():
+        if future.done():  # the caller stopped waiting (timed out, cancelled)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's event loop is closed
+        pass
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine, step_hook=None) -> None:
         """Wrap an engine and start its loop thread. `step_hook` runs on the engine thread
@@ -114,6 +128,17 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    async def call_in_engine(self, fn):
+        """Run fn(engine) on the engine thread between two steps (where the engine's state is consistent)
+        and return its result: how the dashboard reads the block map without a race or a per-step cost.
+        It waits for the step in progress; if the engine stops first it may never answer, so callers
+        bound the wait (asyncio.wait_for)."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._send(("call", fn, loop, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the engine's next step."""
         if self.is_running:
@@ -160,6 +185,13 @@ class AsyncLLM:
                     engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
                 except ValueError as e:
                     stream.put(e)
+            elif command[0] == "call":
+                _, fn, loop, future = command
+                try:
+                    result, error = fn(engine), None
+                except Exception as e:  # noqa: BLE001 - handed to the caller, never raised here
+                    result, error = None, e
+                _resolve(loop, future, result, error)
             else:
                 aborted += engine.abort_request(command[1])
 

@@ -257,19 +257,30 @@ class LLMEngine:
 
     def _child_ids(self, request_id: str, n: int) -> list[str]:
         """The scheduler's ids of a request's samples: the request id itself for n = 1; for n > 1,
-        request_id#i, renamed (request_id~k#i) where a request already holds such an id."""
+        request_id#i, renamed (request_id~k#i) where a request already holds such an id. An id is
+        never reused while a request or a sample holds it: it would take over their state."""
+        def taken(cid: str) -> bool:
+            return cid in self.scheduler.requests or cid in self.output_processor.child_to_parent
+
         if n == 1:
-            if request_id in self.scheduler.requests:  # the id of another request's sample
+            owner = self.output_processor.child_to_parent.get(request_id)
+            if owner is not None and owner[0] != request_id:  # the id of another request's sample
+                raise ValueError(f"request_id {request_id!r} is already in use (by sample {owner[1]} of "
+                                 f"request {owner[0]!r})")
+            if taken(request_id):
                 raise ValueError(f"request_id {request_id!r} is already in use")
             return [request_id]
         base, k = request_id, 0
-        while any(f"{base}#{i}" in self.scheduler.requests for i in range(n)):
+        while any(taken(f"{base}#{i}") for i in range(n)):
             k += 1
             base = f"{request_id}~{k}"
         return [f"{base}#{i}" for i in range(n)]
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Queue a request (its n samples as n child requests). Raises ValueError, queueing nothing,
+        for a bad prompt or params, or for a request_id already in use: by a request not finished,
+        or by a sample of one (an id like `x#0` while `x` runs with n > 1)."""
         params = params or SamplingParams()
         self.check_params(params)
         if self.output_processor.has(request_id):
@@ -277,7 +288,7 @@ class LLMEngine:
         text, ids = self.process_prompt(prompt)
         arrival_time = arrival_time or time.time()
         child_ids = self._child_ids(request_id, params.n)
-        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
+        requests = []
         for i, cid in enumerate(child_ids):
             # sample 0 computes the prompt (and its logprobs, the only ones reported); the others read
             # its blocks from the prefix cache
@@ -287,13 +298,19 @@ class LLMEngine:
             request = Request(cid, ids, p, self.eos_token_ids, arrival_time, cache_salt)
             if p.structured_outputs is not None:
                 request.structured = self.structured.start(p.structured_outputs)
+            requests.append(request)
+        # every id was checked above: neither of these can refuse one now
+        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival_time)
+        for request in requests:
             self.scheduler.add_request(request)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         outs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             for cid in self.output_processor.children_of(rid):
-                self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+                request = self.scheduler.finish_request(cid, RequestStatus.FINISHED_ABORTED)
+                if request is not None:  # scheduled, maybe preempted, since its last token
+                    self.output_processor.record_progress(request)
             out = self.output_processor.abort(rid)
             if out is not None:
                 self.stats.record_finished(out)
@@ -375,13 +392,14 @@ class LLMEngine:
         return self.tokenizer
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the cached blocks no request uses. Returns True when the whole cache is now empty, False
-        when running requests still hold cached blocks (their entries stay: their KV is valid and they
-        extend it), as vLLM reports a reset that could not be complete."""
+        """Forget the cached blocks no request uses. Returns True when no block is in use, so nothing
+        computed before the reset can be served from the cache after it; False (as vLLM) while running
+        requests hold blocks: their cached entries stay (their KV is valid and they extend it) and
+        their partial blocks enter the cache as they fill."""
         self.kv_manager.reset_prefix_cache()
         if self.scheduler.state_checkpoints is not None:
             self.scheduler.state_checkpoints.reset()
-        return self.kv_manager.pool.num_cached_blocks == 0
+        return self.kv_manager.pool.num_used_blocks == 0
 
     def check_health(self) -> None:
         """Raises WorkerError if a worker process has died or stopped answering."""

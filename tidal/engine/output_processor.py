@@ -60,7 +60,15 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
-        detok = (lambda: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        """Start gathering a request's samples, one per child id. Refuses (ValueError, changing
+        nothing) an id already in use, of a request or of a sample: it would take over their state."""
+        if request_id in self.states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        taken = [c for c in child_ids if c in self.child_to_parent]
+        if taken or len(set(child_ids)) != len(child_ids):
+            raise ValueError(f"sample ids of request {request_id!r} collide: {taken or child_ids}")
+        detok = (lambda: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                params.spaces_between_special_tokens)
                  if params.detokenize and self.tokenizer is not None else None)
         samples = [SampleState(i, detok(), logprobs=[] if params.logprobs is not None else None,
                                cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -110,16 +118,8 @@ class OutputProcessor:
         state.metrics.last_token_time = now
         if index == 0:  # sample 0 computes the prompt; later samples hit its blocks, not earlier requests'
             state.num_cached_tokens = max(request.num_cached_tokens, 0)
+        self.record_progress(request)
         m = state.metrics
-        if request.first_scheduled_time is not None and (m.first_scheduled_time is None
-                                                         or request.first_scheduled_time < m.first_scheduled_time):
-            m.first_scheduled_time = request.first_scheduled_time
-        sample.num_preemptions = request.num_preemptions
-        m.num_preemptions = sum(s.num_preemptions for s in state.samples)
-        if request.num_draft_tokens:
-            sample.num_draft_tokens, sample.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
-            m.num_draft_tokens = sum(s.num_draft_tokens for s in state.samples)
-            m.num_accepted_tokens = sum(s.num_accepted_tokens for s in state.samples)
         m.num_generation_tokens = max(m.num_generation_tokens, len(sample.token_ids) + len(token_ids))
         sample.token_ids.extend(token_ids)
         if logprobs is not None and sample.logprobs is not None:
@@ -131,6 +131,23 @@ class OutputProcessor:
         if request.is_finished:
             self.finish_sample(request.request_id, request.finish_reason, request.stop_reason)
         return parent
+
+    def record_progress(self, request: Request) -> None:
+        """Copy a child request's scheduling record into its parent's metrics: when it was first
+        scheduled (the earliest sample's), preemptions and draft tokens (summed over the samples).
+        Called with each step's tokens, and for a request aborted before its next token."""
+        parent, index = self.child_to_parent[request.request_id]
+        state = self.states[parent]
+        sample, m = state.samples[index], state.metrics
+        if request.first_scheduled_time is not None and (m.first_scheduled_time is None
+                                                         or request.first_scheduled_time < m.first_scheduled_time):
+            m.first_scheduled_time = request.first_scheduled_time
+        sample.num_preemptions = request.num_preemptions
+        m.num_preemptions = sum(s.num_preemptions for s in state.samples)
+        if request.num_draft_tokens:
+            sample.num_draft_tokens, sample.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
+            m.num_draft_tokens = sum(s.num_draft_tokens for s in state.samples)
+            m.num_accepted_tokens = sum(s.num_accepted_tokens for s in state.samples)
 
     def finish_sample(self, child_id: str, finish_reason: str, stop_reason=None) -> None:
         parent, index = self.child_to_parent.pop(child_id)

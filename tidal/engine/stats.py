@@ -36,14 +36,22 @@ class EngineStats:
     # KV utilization: slots holding real tokens / allocated slots, summed over steps
     kv_util_sum: float = 0.0
     kv_util_steps: int = 0
+    # the batch of the latest step (for the dashboard): tokens at prompt positions (prefill), the others
+    # (decodes, drafts, outputs recomputed after a preemption), requests
+    last_step_prefill_tokens: int = 0
+    last_step_decode_tokens: int = 0
+    last_step_num_requests: int = 0
     started: float = field(default_factory=time.time)
 
     def record_step(self, batch, num_sampled: int, scheduler, kv_manager) -> None:
         self.num_steps += 1
         self.num_generation_tokens += num_sampled
         # the scheduled tokens at prompt positions (not decodes, not drafts)
-        self.num_prompt_tokens += sum(max(0, min(s.num_tokens, s.num_prompt_tokens - s.start_pos))
-                                      for s in batch.scheduled)
+        prefill = sum(max(0, min(s.num_tokens, s.num_prompt_tokens - s.start_pos)) for s in batch.scheduled)
+        self.num_prompt_tokens += prefill
+        self.last_step_prefill_tokens = prefill
+        self.last_step_decode_tokens = batch.num_batched_tokens - prefill
+        self.last_step_num_requests = len(batch.scheduled)
         self.num_running, self.num_waiting = scheduler.num_running, scheduler.num_waiting
         self.kv_usage = kv_manager.usage
         self.num_preemptions = scheduler.num_preemptions

@@ -4,6 +4,7 @@
     tidal chat                       interactive multi-turn chat on the model's chat template
     tidal serve [MODEL]              OpenAI-compatible server
     tidal bench throughput|serve     benchmarks
+    tidal plan                       capacity planner (the scheduler in simulated time)
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ SUBCOMMANDS = [
     "tidal.entrypoints.cli_generate",   # generate, chat
     "tidal.entrypoints.openai.cli",     # serve
     "tidal.benchmarks.cli",             # bench throughput | serve
+    "tidal.planner.cli",                # plan, plan calibrate
 ]
 
 

@@ -28,7 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility: Tidal never runs code from a checkpoint (logs one line)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (auto: the checkpoint's; bfloat16 for GGUF and fp16)")
+                   help="weight and activation dtype (auto: fp32 for an fp32 checkpoint; else bfloat16 on GPUs and "
+                        "CPUs with native bf16 products, fp32 activations with bfloat16 weights on other CPUs)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the model runs (auto: cuda when torch sees a GPU, else cpu)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

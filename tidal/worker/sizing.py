@@ -14,8 +14,31 @@ import torch
 
 from tidal.worker.memory import plan_kv_cache, plan_state_slots
 
-# Configs of models this machine cannot hold, for estimates (Hugging Face config.json fields)
+# Configs of well-known models, for estimates and `tidal plan` (the shape fields of their config.json)
 BUNDLED_CONFIGS = {
+    "smollm2-135m": ("llama", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "llama-3-8b": ("llama", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama-3-70b": ("llama", dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "mixtral-8x7b": ("mixtral", dict(
+        architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6, sliding_window=None,
+        tie_word_embeddings=False)),
+    "jamba-1.5-mini": ("jamba", dict(
+        architectures=["JambaForCausalLM"], vocab_size=65536, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, attn_layer_period=8,
+        attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1, num_experts=16, num_experts_per_tok=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256, use_mamba_kernels=False,
+        max_position_embeddings=262144, tie_word_embeddings=False)),
     "jamba-1.5-large": ("jamba", dict(
         architectures=["JambaForCausalLM"], vocab_size=65536, hidden_size=8192, intermediate_size=24576,
         num_hidden_layers=72, num_attention_heads=64, num_key_value_heads=8, attn_layer_period=8,
@@ -26,7 +49,9 @@ BUNDLED_CONFIGS = {
 
 
 def bundled_config(name: str):
+    """A bundled config by name, case-insensitive ("Llama-3-8B" or "llama-3-8b")."""
     import transformers
+    name = name.lower()
     if name not in BUNDLED_CONFIGS:
         raise ValueError(f"no bundled config {name!r}; bundled: {', '.join(BUNDLED_CONFIGS)}")
     model_type, fields = BUNDLED_CONFIGS[name]

@@ -4,8 +4,9 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
-/version, /metrics. Every error is OpenAI's JSON error body; with an API key set, every route
-but /health needs `Authorization: Bearer <key>`. A non-streaming request whose client
+/version, /metrics, and the live dashboard /dashboard (tidal/entrypoints/openai/dashboard.py). Every
+error is OpenAI's JSON error body; with an API key set, every route but /health and the dashboard's
+page needs `Authorization: Bearer <key>`. A non-streaming request whose client
 disconnects is cancelled (and its engine request aborted) like a streaming one.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tidal
 from tidal.engine.async_llm import AsyncLLM
+from tidal.entrypoints.openai.dashboard import add_dashboard_routes, checks_own_key
 from tidal.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -110,7 +112,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
 
         @app.middleware("http")
         async def _authenticate(request: Request, call_next):
-            if request.url.path != "/health" and request.method != "OPTIONS":
+            path = request.url.path
+            if path != "/health" and not checks_own_key(path) and request.method != "OPTIONS":
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):  # constant time: no key-guessing by timing
                     return JSONResponse(error_body(401, "Incorrect or missing API key: send "
@@ -195,5 +198,6 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             raise APIError(404, "metrics are disabled")
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    add_dashboard_routes(app, async_llm, metrics, api_key)
     return app
 

@@ -1,0 +1,256 @@
+"""The capacity planner (tidal/planner/): the engine's real scheduler in simulated time, a roofline cost per
+step, memory figures from the engine's own sizing, the CLI, and the calibration on a tiny model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tidal.planner.cost import CostModel, StepShape
+from tidal.planner.devices import get_device, load_calibration
+from tidal.planner.model import profile_model
+from tidal.planner.report import highest_rate, requests_that_fit, summarize
+from tidal.planner.simulator import EngineSettings, simulate
+from tidal.planner.workload import SimRequest, WorkloadSpec, at_rate, load_trace, synthesize
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return profile_model("llama-3-8b")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return profile_model("SmolLM2-135M")
+
+
+def run(profile, device="H100-80GB", settings=None, **spec):
+    return simulate(profile, get_device(device), synthesize(WorkloadSpec(**spec)), settings)
+
+
+# -- memory ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,quantization,tp,kv", [("jamba-1.5-large", "experts_int8", 8, "auto"),
+                                                     ("mixtral-8x7b", "int8", 2, "fp8"),
+                                                     ("SmolLM2-135M", None, 1, "auto")])
+def test_memory_figures_equal_estimate_memory(name, quantization, tp, kv):
+    from tidal.worker.sizing import bundled_config, estimate_memory
+    profile = profile_model(name, quantization=quantization, tensor_parallel_size=tp, kv_cache_dtype=kv)
+    est = estimate_memory(bundled_config(name), quantization=quantization, tensor_parallel_size=tp,
+                          kv_cache_dtype=kv, context_lens=())
+    assert (profile.weight_bytes, profile.kv_bytes_per_token, profile.state_bytes_per_request) == \
+        (est.weight_bytes_per_device, est.kv_bytes_per_token_per_device, est.state_bytes_per_request_per_device)
+    assert profile.total_params == est.total_params
+
+
+def test_requests_that_fit_without_prefix_caching_equal_estimate_memory():
+    """The engine's split of the budget (state slots at most half, KV the rest) gives estimate_memory's count."""
+    from tidal.worker.sizing import bundled_config, estimate_memory
+    profile = profile_model("jamba-1.5-large", quantization="experts_int8", tensor_parallel_size=8)
+    est = estimate_memory(bundled_config("jamba-1.5-large"), quantization="experts_int8", tensor_parallel_size=8,
+                          context_lens=(4096, 262144))
+    settings = EngineSettings(max_num_seqs=4096, enable_prefix_caching=False)
+    result = simulate(profile, get_device("H100-80GB"), [SimRequest(0.0, [1] * 64, 4)], settings)
+    fit = requests_that_fit(profile, result, 4096, 16, [4096, 262144])
+    assert [f["requests"] for f in fit] == [f.requests for f in est.fits]
+
+
+def test_a_model_that_does_not_fit_is_reported_as_such():
+    profile = profile_model("llama-3-70b")  # 141 GB of bf16 weights on one 48 GB device
+    result = run(profile, "L40S", num_requests=4)
+    assert not result.plan.fits and "weights" in result.plan.reason
+    assert summarize(result) == {"fits": False, "reason": result.plan.reason}
+    assert result.num_steps == 0
+
+
+def test_pipeline_parallel_splits_the_layers(llama8b):
+    pp2 = profile_model("llama-3-8b", pipeline_parallel_size=2)
+    assert pp2.weight_bytes < llama8b.weight_bytes * 0.6
+    assert pp2.kv_bytes_per_token == llama8b.kv_bytes_per_token // 2
+
+
+# -- the cost of a step ---------------------------------------------------------------------------------------
+
+def test_step_cost_grows_with_context_and_tokens(llama8b):
+    cost = CostModel(llama8b, get_device("H100-80GB"))
+    decode = cost.step_time(StepShape.of([(1, 128, True)] * 32))
+    assert cost.step_time(StepShape.of([(1, 4096, True)] * 32)) > decode
+    assert cost.step_time(StepShape.of([(2048, 0, True)])) > decode
+
+
+def test_tensor_parallel_adds_all_reduces():
+    profile = profile_model("llama-3-70b", tensor_parallel_size=4)
+    parts = CostModel(profile, get_device("H100-80GB")).breakdown(StepShape.of([(512, 0, True)]))
+    assert parts["communication"] > 0
+
+
+def test_moe_reads_only_the_experts_a_small_batch_routes_to():
+    profile = profile_model("mixtral-8x7b", tensor_parallel_size=2)
+    cost = CostModel(profile, get_device("H100-80GB"))
+    one = cost.breakdown(StepShape.of([(1, 64, True)]))["linear"]
+    many = cost.breakdown(StepShape.of([(1, 64, True)] * 64))["linear"]
+    assert many > 2 * one  # one token reads 2 of 8 experts, 64 tokens read nearly all
+
+
+# -- the simulation -------------------------------------------------------------------------------------------
+
+def test_throughput_rises_with_rate_until_saturation(llama8b):
+    spec = dict(num_requests=64, input_len=(256, 512), output_len=(64, 128))
+    tput = [summarize(run(llama8b, request_rate=r, **spec))["output_throughput"] for r in (1, 4, 16, float("inf"))]
+    assert tput[0] < tput[1] < tput[2] <= tput[3] * 1.05
+    low = summarize(run(llama8b, request_rate=1, **spec))
+    assert low["request_throughput"] == pytest.approx(1, rel=0.35)  # underloaded: it carries what arrives
+
+
+def test_latency_rises_with_rate(llama8b):
+    spec = dict(num_requests=64, input_len=(256, 512), output_len=(64, 128))
+    slow, fast = (summarize(run(llama8b, request_rate=r, **spec)) for r in (1, 64))
+    assert fast["p99_ttft_ms"] > slow["p99_ttft_ms"] and fast["p50_tpot_ms"] > slow["p50_tpot_ms"]
+
+
+def test_the_real_scheduler_runs_every_step(monkeypatch, smollm2):
+    from tidal.core.scheduler import Scheduler
+    from tidal.planner import simulator
+    calls = []
+
+    class Counting(Scheduler):
+        def schedule(self):
+            out = super().schedule()
+            calls.append(out.num_batched_tokens)
+            return out
+    monkeypatch.setattr(simulator, "Scheduler", Counting)
+    result = run(smollm2, num_requests=8, input_len=(100, 100), output_len=(10, 10))
+    assert result.num_steps == len([c for c in calls if c]) > 0
+    assert all(r.finish_time is not None for r in result.records)
+
+
+def test_preemptions_appear_when_the_kv_cache_is_tight(smollm2):
+    spec = dict(num_requests=32, input_len=(256, 256), output_len=(256, 256))
+    tight = run(smollm2, settings=EngineSettings(kv_cache_memory_bytes=1024 * smollm2.kv_bytes_per_token,
+                                                 max_model_len=1024), **spec)
+    roomy = run(smollm2, settings=EngineSettings(max_model_len=1024), **spec)
+    assert tight.num_preemptions > 0 and roomy.num_preemptions == 0
+    assert all(r.finish_time is not None for r in tight.records)  # no request is dropped
+    assert summarize(tight)["output_throughput"] < summarize(roomy)["output_throughput"]
+
+
+def test_shared_prefixes_hit_the_prefix_cache(smollm2):
+    spec = dict(num_requests=32, request_rate=8, input_len=(1100, 1100), output_len=(16, 16), prefix_len=1024)
+    shared = summarize(run(smollm2, "cpu", **spec))
+    cold = summarize(run(smollm2, "cpu", EngineSettings(enable_prefix_caching=False), **spec))
+    assert shared["prefix_hit_rate"] > 0.8 and cold["prefix_hit_rate"] == 0
+    assert shared["mean_ttft_ms"] < cold["mean_ttft_ms"]
+
+
+def test_a_hybrid_model_runs_no_more_requests_than_its_state_slots():
+    profile = profile_model("jamba-1.5-mini", tensor_parallel_size=2)
+    settings = EngineSettings(kv_cache_memory_bytes=16 * profile.state_bytes_per_request, max_model_len=4096)
+    result = run(profile, settings=settings, num_requests=16, input_len=(64, 64), output_len=(32, 32))
+    assert result.plan.num_state_slots == 4  # half the budget, two slots (own + checkpoint) per request
+    assert result.max_running == 4 and all(r.finish_time is not None for r in result.records)
+
+
+def test_highest_rate_meets_the_slo(llama8b):
+    spec = dict(num_requests=48, input_len=(256, 256), output_len=(64, 64))
+
+    def at(rate):
+        return summarize(run(llama8b, request_rate=rate, **spec))
+    saturation = at(float("inf"))["request_throughput"]
+    rate, s = highest_rate(at, 100.0, None, saturation)
+    assert 0 < rate < float("inf") and s["p99_ttft_ms"] <= 100.0
+    assert at(rate * 1.5)["p99_ttft_ms"] > 100.0
+    assert highest_rate(at, 0.001, None, saturation)[0] is None  # 1 us to first token: never
+    assert highest_rate(at, None, 1e6, saturation)[0] == float("inf")  # a bound no rate reaches
+
+
+def test_trace_file(tmp_path, smollm2):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"arrival_time": 0.5, "prompt_len": 40, "output_len": 5}\n'
+                    '{"arrival_time": 0.0, "prompt_token_ids": [1, 2, 3], "max_tokens": 2}\n')
+    reqs = load_trace(str(path))
+    assert [r.arrival_time for r in reqs] == [0.0, 0.5] and len(reqs[1].prompt_token_ids) == 40
+    result = simulate(smollm2, get_device("cpu"), reqs)
+    assert all(r.first_token_time > r.arrival_time for r in result.records)
+    assert [r.arrival_time for r in at_rate(reqs, 8.0)] == [0.0, 0.25]  # 2 requests over 0.25 s: 8 per second
+
+
+# -- the command line -----------------------------------------------------------------------------------------
+
+def test_cli_plans_a_bundled_model(tmp_path, capsys):
+    from tidal.entrypoints.cli import main
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "llama-3-8b", "--device", "H100-80GB", "--num-requests", "32",
+               "--input-len", "512", "--output-len", "64", "--slo-tpot", "20", "--sweep", "2", "8",
+               "--plot", str(tmp_path / "p.png"), "--output-json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "requests that fit at once" in text and "highest request rate with p99 TPOT <= 20 ms" in text
+    data = json.loads(out.read_text())
+    assert data["summary"]["completed"] == 32 and data["slo"]["highest_rate"] > 0
+    assert [p["request_rate"] for p in data["sweep"]] == [2, 8]
+    assert (tmp_path / "p.png").exists() or "matplotlib is not installed" in text
+
+
+def test_cli_says_when_a_model_does_not_fit(capsys):
+    from tidal.entrypoints.cli import main
+    assert main(["plan", "--model", "llama-3-70b", "--device", "L40S", "--num-requests", "2"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_calibrate_writes_a_device_the_planner_reads(tmp_path, tiny_model_dir, capsys):
+    from tidal.entrypoints.cli import main
+    out = tmp_path / "cpu.json"
+    assert main(["plan", "calibrate", "--model", tiny_model_dir("llama"), "--output", str(out), "--rows", "1", "8",
+                 "--batch", "2", "--contexts", "16", "64", "--steps", "3", "--repeats", "1"]) == 0
+    device = load_calibration(str(out))
+    assert set(device.gemm_flops_by_rows) == {1, 8} and device.memory_bandwidth > 0
+    assert device.attention_seconds_per_kv_byte > 0 and device.step_overhead >= 0
+    assert main(["plan", "--model", tiny_model_dir("llama"), "--calibration", str(out), "--num-requests", "4",
+                 "--input-len", "32", "--output-len", "8"]) == 0
+    assert "simulated 4 requests" in capsys.readouterr().out
+
+
+def test_calibration_fit_recovers_the_figures_that_produced_the_steps(smollm2):
+    """Steps timed on a device of known figures (here: predicted by it) give those figures back."""
+    from tidal.planner.calibrate import Measurements, fit
+    truth = get_device("cpu")
+    truth.gemm_flops_by_rows, truth.memory_bandwidth = {1: 2e9, 64: 40e9, 1024: 80e9}, 2e9
+    truth.peak_flops = {"bf16": 80e9, "fp32": 40e9, "int8": 160e9}
+    truth.attention_seconds_per_kv_byte, truth.attention_flops = 4e-10, 20e9
+    truth.step_overhead, truth.request_overhead, truth.token_overhead = 2e-3, 60e-6, 5e-6
+    cost = CostModel(smollm2, truth)
+
+    def t(requests):
+        return cost.step_time(StepShape.of(requests))
+    m = Measurements(truth.gemm_flops_by_rows, 2e9, 8, 64, 1024, t([(1, 64, True)]), t([(1, 64, True)] * 8),
+                     t([(1, 1024, True)] * 8), {n: t([(n, 0, True)]) for n in (1024, 256, 512)})
+    device, notes = fit(smollm2, m)
+    assert notes == []
+    for name in ("attention_seconds_per_kv_byte", "attention_flops", "step_overhead", "request_overhead",
+                 "token_overhead"):
+        assert getattr(device, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    mixed = [(300, 0, True), (1, 700, True), (1, 40, True), (128, 512, False)]
+    assert CostModel(smollm2, device).step_time(StepShape.of(mixed)) == pytest.approx(t(mixed), rel=1e-6)
+
+
+def test_the_simulation_schedules_as_the_engine_does(tiny_model_dir):
+    """Same requests, same cache: the simulated run takes the engine's own number of steps and preemptions
+    (counts, not times: the schedule does not depend on the cost model when all requests arrive at once)."""
+    from tests.helpers import random_prompts, tiny_llm
+    from tidal.planner.workload import from_requests
+    from tidal.sampling_params import SamplingParams
+    path = tiny_model_dir("llama")
+    profile = profile_model(path, dtype="float32")
+    budget = 48 * 16 * profile.kv_bytes_per_token  # 48 blocks: preemptions
+    prompts = random_prompts(24, 20, 100, 512, seed=3)
+    outputs = [10 + 7 * i % 31 for i in range(24)]
+    llm = tiny_llm(path, kv_cache_memory_bytes=budget, max_num_batched_tokens=256)
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in outputs], use_tqdm=False)
+    stats = llm.llm_engine.stats
+    requests = from_requests([{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, outputs)])
+    result = simulate(profile, get_device("cpu"), requests,
+                      EngineSettings(kv_cache_memory_bytes=budget, max_num_batched_tokens=256))
+    assert stats.num_preemptions > 0, stats.num_preemptions
+    assert (result.num_steps, result.num_preemptions) == (stats.num_steps, stats.num_preemptions), \
+        (result.num_steps, result.num_preemptions)

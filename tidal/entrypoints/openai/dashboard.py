@@ -1,0 +1,220 @@
+"""The live dashboard of `tidal serve`: a page at /dashboard fed by server-sent events.
+
+    GET /dashboard                  the page (static HTML/JS/CSS shipped in the package; no data in it)
+    GET /dashboard/static/<file>    its script and style sheet
+    GET /dashboard/auth             {"api_key_required": bool}: whether the page must ask for the key
+    GET /dashboard/token            a token for the event stream (needs the API key, as every route)
+    GET /dashboard/snapshot         one snapshot as JSON (engine state, metric totals, recent points)
+    GET /dashboard/events           text/event-stream: `hello` (config and history) once, then `state`
+                                    every `interval` seconds (default 0.25) and `point` once a second
+
+With --api-key, the data routes take the key as `Authorization: Bearer <key>` or a token from
+/dashboard/token as `?token=` (a browser's EventSource cannot send headers; a token in an access log
+opens only the dashboard, never the API).
+
+The engine's state is read on the engine thread between two steps (AsyncLLM.call_in_engine), only
+while someone watches, and once per interval however many watch; the time series come from the
+Prometheus registry (tidal/metrics_history.py). With nobody watching, a step costs what it did.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tidal.engine.snapshot import engine_config, engine_snapshot
+from tidal.entrypoints.openai.serving_base import error_body
+from tidal.metrics import ServerMetrics
+from tidal.metrics_history import MetricsHistory, read_totals
+
+logger = logging.getLogger("tidal.entrypoints.openai")
+
+_STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+_OPEN_PATHS = {"/dashboard", "/dashboard/", "/dashboard/auth", "/dashboard/events", "/dashboard/snapshot"}
+_MAX_TOKENS = 256
+SNAPSHOT_TIMEOUT_S = 10.0  # a step longer than this: the stream skips a beat rather than wait
+
+
+def checks_own_key(path: str) -> bool:
+    """Paths the API-key middleware lets through: the page itself (no data), and the data routes that
+    take the key or a dashboard token themselves."""
+    return path in _OPEN_PATHS or path.startswith("/dashboard/static/")
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("tidal.entrypoints.openai").joinpath("dashboard_static", name).read_bytes()
+
+
+def _sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class Dashboard:
+    def __init__(self, async_llm, metrics: ServerMetrics | None, api_key: str | None) -> None:
+        self.async_llm = async_llm
+        self.metrics = metrics
+        self.history = MetricsHistory(metrics.registry) if metrics is not None else None
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._tokens: OrderedDict[str, float] = OrderedDict()
+        self._sampler: asyncio.Task | None = None
+        self._snapshot: tuple[float, dict] | None = None  # (monotonic time, snapshot), shared by all watchers
+        self._pending: asyncio.Future | None = None
+        self._config: dict | None = None
+
+    # -- access ----------------------------------------------------------------------------------
+    def issue_token(self) -> str | None:
+        if self._expected is None:
+            return None
+        token = secrets.token_urlsafe(24)
+        self._tokens[token] = time.time()
+        while len(self._tokens) > _MAX_TOKENS:
+            self._tokens.popitem(last=False)
+        return token
+
+    def allowed(self, request: Request) -> bool:
+        if self._expected is None:
+            return True
+        given = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(given, self._expected):
+            return True
+        token = request.query_params.get("token", "")
+        return any(hmac.compare_digest(token, t) for t in self._tokens)
+
+    # -- data ------------------------------------------------------------------------------------
+    def start_sampler(self) -> None:
+        if self.history is not None and (self._sampler is None or self._sampler.done()):
+            self._sampler = asyncio.ensure_future(self._sample_forever())
+
+    def stop_sampler(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+
+    async def _sample_forever(self) -> None:
+        while True:
+            try:
+                self.history.sample()
+            except Exception:  # noqa: BLE001 - the dashboard must never take the server down
+                logger.exception("dashboard: sampling the metrics failed")
+            await asyncio.sleep(self.history.interval_s)
+
+    async def config(self) -> dict:
+        if self._config is None:
+            self._config = await self.async_llm.call_in_engine(engine_config)
+        return self._config
+
+    async def snapshot(self, max_age_s: float) -> dict:
+        """The engine's state, taken at most max_age_s ago; concurrent watchers share one reading."""
+        if self._snapshot is not None and time.monotonic() - self._snapshot[0] <= max_age_s:
+            return self._snapshot[1]
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._read_snapshot())
+        pending = self._pending
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            if self._pending is pending and pending.done():
+                self._pending = None
+
+    async def _read_snapshot(self) -> dict:
+        snap = await asyncio.wait_for(self.async_llm.call_in_engine(engine_snapshot), SNAPSHOT_TIMEOUT_S)
+        # the counters right after it: the hook that updates them ran before this call, between the same steps
+        if self.metrics is not None:
+            totals = read_totals(self.metrics.registry)
+            totals.pop("buckets")
+            snap["totals"] = totals
+        self._snapshot = (time.monotonic(), snap)
+        return snap
+
+    def points_since(self, t: float) -> list[dict]:
+        return [p for p in self.history.points if p["time"] > t] if self.history is not None else []
+
+    async def events(self, interval_s: float):
+        self.start_sampler()
+        last_point = 0.0
+        try:
+            hello = {"config": await self.config(), "history": self.points_since(0.0)}
+            if hello["history"]:
+                last_point = hello["history"][-1]["time"]
+            yield _sse("hello", hello)
+            while True:
+                try:
+                    yield _sse("state", await self.snapshot(interval_s / 2))
+                except asyncio.TimeoutError:
+                    pass  # a long step: try again next beat
+                for point in self.points_since(last_point):
+                    last_point = point["time"]
+                    yield _sse("point", point)
+                await asyncio.sleep(interval_s)
+        except Exception as e:  # noqa: BLE001 - e.g. the engine died: tell the page, end the stream
+            yield _sse("engine_error", {"message": repr(e)})
+
+
+def add_dashboard_routes(app: FastAPI, async_llm, metrics: ServerMetrics | None, api_key: str | None) -> Dashboard:
+    dashboard = Dashboard(async_llm, metrics, api_key)
+    app.state.dashboard = dashboard
+
+    inner_lifespan = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_):  # the history starts with the server, not when the page is first opened
+        dashboard.start_sampler()
+        try:
+            async with inner_lifespan(app_) as state:
+                yield state
+        finally:
+            dashboard.stop_sampler()
+
+    app.router.lifespan_context = lifespan
+
+    def unauthorized() -> JSONResponse:
+        return JSONResponse(error_body(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' or "
+                                       "a token from /dashboard/token as ?token=", None, "invalid_api_key"),
+                            status_code=401)
+
+    @app.get("/dashboard", include_in_schema=False)
+    @app.get("/dashboard/", include_in_schema=False)
+    async def page():
+        return Response(_asset("index.html"), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/static/{name}", include_in_schema=False)
+    async def static(name: str):
+        if name not in _STATIC:
+            return JSONResponse(error_body(404, f"no dashboard file {name!r}"), status_code=404)
+        return Response(_asset(name), media_type=f"{_STATIC[name]}; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/auth", include_in_schema=False)
+    async def auth():
+        return {"api_key_required": api_key is not None and api_key != ""}
+
+    @app.get("/dashboard/token", include_in_schema=False)
+    async def token():  # behind the API-key middleware like every route
+        return {"token": dashboard.issue_token()}
+
+    @app.get("/dashboard/snapshot", include_in_schema=False)
+    async def snapshot(request: Request):
+        if not dashboard.allowed(request):
+            return unauthorized()
+        dashboard.start_sampler()
+        return {"config": await dashboard.config(), **(await dashboard.snapshot(0.0)),
+                "history": dashboard.points_since(0.0)}
+
+    @app.get("/dashboard/events", include_in_schema=False)
+    async def events(request: Request, interval: float = 0.25):
+        if not dashboard.allowed(request):
+            return unauthorized()
+        interval = min(max(interval, 0.1), 5.0)
+        return StreamingResponse(dashboard.events(interval), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return dashboard

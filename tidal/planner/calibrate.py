@@ -1,0 +1,248 @@
+"""`tidal plan calibrate`: measure this machine for the planner and write the figures as a device file
+(JSON, read with `tidal plan --calibration FILE`).
+
+Everything is timed on the engine's own code with a real model (bf16):
+- GEMM rate at a few row counts M: one pass over every linear layer of the model (the products of one
+  forward, on weights that do not stay in the caches), FLOPs 2 x M x parameters over the time; the
+  one-row pass gives the memory bandwidth (weight bytes over its time);
+- attention per KV byte: whole engine decode steps of the same batch at a short and a long context,
+  the difference over the KV bytes the longer context adds;
+- host overhead: engine decode steps of 1 and of B requests at the short context, less what the two
+  figures above predict for them, split into a fixed part per step and a part per request;
+- prompts: engine steps computing a whole fresh prompt of the long context and of a quarter of it, less
+  what the figures above predict for their linear layers, give a cost per token (elementwise layers,
+  inputs) and attention's FLOP rate on prompts.
+A prompt of half the long context is then timed and predicted, as a check of figures not fitted on it.
+
+    tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --output cpu.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tidal.planner.cost import CostModel, StepShape
+from tidal.planner.devices import Device, get_device
+from tidal.planner.model import ModelProfile, profile_model
+
+
+def _time(fn, repeats: int) -> float:
+    """Median of `repeats` timings of fn (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_rates(model: torch.nn.Module, rows: list[int], dtype: torch.dtype, repeats: int) -> tuple[dict, float]:
+    """{M: FLOP/s} over all linear layers at M rows, and the bandwidth (B/s) of the one-row pass."""
+    from tidal.layers.linear import LinearBase
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    params = sum(m.in_features * m.out_features for m in linears) if linears else 0
+    nbytes = sum(p.numel() * p.element_size() for m in linears for p in m.parameters(recurse=False))
+    rates, bandwidth = {}, 0.0
+    with torch.inference_mode():
+        for M in rows:
+            inputs = {m.in_features: torch.randn(M, m.in_features, dtype=dtype) for m in linears}
+
+            def one_pass():
+                for m in linears:
+                    m(inputs[m.in_features])
+            t = _time(one_pass, repeats)
+            rates[M] = 2 * M * params / t
+            if M == min(rows):
+                bandwidth = nbytes / t
+    return rates, bandwidth
+
+
+class _Steps:
+    """Times engine decode steps of a fixed batch: B requests of a C-token prompt, prefilled first."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.counter = engine, 0
+
+    def _add(self, batch: int, context: int, max_tokens: int) -> list[str]:
+        from tidal.sampling_params import SamplingParams
+        ids = []
+        for _ in range(batch):
+            self.counter += 1
+            g = torch.Generator().manual_seed(self.counter)
+            prompt = torch.randint(0, self.engine.vocab_size, (context,), generator=g).tolist()
+            rid = f"calibrate-{self.counter}"
+            # detokenized, as the benchmarks' requests are, when the model has a tokenizer
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                    detokenize=self.engine.tokenizer is not None)
+            self.engine.add_request(rid, prompt, params)
+            ids.append(rid)
+        return ids
+
+    def prefill_step_time(self, context: int, repeats: int) -> float:
+        """One step computing a whole fresh prompt of `context` tokens (a check of the fitted figures)."""
+        times = []
+        for _ in range(repeats):
+            ids = self._add(1, context, 2)
+            t0 = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - t0)
+            self.engine.abort_request(ids)
+        self.engine.reset_prefix_cache()
+        return statistics.median(times)
+
+    def decode_step_time(self, batch: int, context: int, steps: int) -> float:
+        e = self.engine
+        ids = self._add(batch, context, steps + 8)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.requests.values()):
+            e.step()  # the prompts' prefill: not timed
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            e.step()
+            times.append(time.perf_counter() - t0)
+        e.abort_request(ids)
+        e.reset_prefix_cache()
+        return statistics.median(times[1:] if len(times) > 2 else times)
+
+
+@dataclass
+class Measurements:
+    """What calibrate times: GEMM FLOP/s by rows, the one-row bandwidth, and engine steps (s)."""
+    gemm_flops_by_rows: dict[int, float]
+    bandwidth: float
+    batch: int
+    short: int
+    long: int
+    decode_one: float          # one request at the short context
+    decode_short: float        # `batch` requests at the short context
+    decode_long: float         # `batch` requests at the long context
+    prefill: dict[int, float]  # a whole fresh prompt of n tokens: long, long // 4 (fitted) and long // 2 (check)
+
+
+def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024, 2048), batch: int = 8, contexts=(64, 1024),
+            steps: int = 20, repeats: int = 5, kv_cache_memory_bytes: int = 2**30) -> Measurements:
+    from tidal.config import EngineConfig
+    from tidal.engine.llm_engine import LLMEngine
+    short, long = contexts
+    if not 1 <= short < long or batch < 1:
+        raise ValueError(f"contexts must be 1 <= SHORT < LONG and batch >= 1, got {contexts}, {batch}")
+    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device="cpu", max_model_len=long + steps + 16,
+                                    max_num_seqs=batch, max_num_batched_tokens=max(2048, long),
+                                    kv_cache_memory_bytes=kv_cache_memory_bytes))
+    try:
+        rates, bandwidth = gemm_rates(engine.runner.model, list(rows), torch.bfloat16, repeats)
+        timer = _Steps(engine)
+        return Measurements(rates, bandwidth, batch, short, long, timer.decode_step_time(1, short, steps),
+                            timer.decode_step_time(batch, short, steps), timer.decode_step_time(batch, long, steps),
+                            {n: timer.prefill_step_time(n, repeats) for n in (long, long // 4, long // 2)})
+    finally:
+        engine.shutdown()
+
+
+def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
+    """The device whose cost model reproduces the measured steps (see the module docstring), and notes on
+    any figure that could not be separated."""
+    notes = []
+    device = get_device("cpu")
+    device.gemm_flops_by_rows, device.memory_bandwidth = dict(m.gemm_flops_by_rows), m.bandwidth
+    peak = max(m.gemm_flops_by_rows.values())
+    device.peak_flops = {"bf16": peak, "fp32": peak / 2, "int8": 2 * peak}
+    device.step_overhead = device.request_overhead = device.layer_overhead = device.token_overhead = 0.0
+    device.source = "calibration"
+    added_kv = m.batch * (m.long - m.short) * profile.kv_bytes_per_token
+    per_kv_byte = (m.decode_long - m.decode_short) / added_kv if added_kv else 0.0
+    if per_kv_byte <= 0:
+        notes.append("the long-context steps were not slower than the short ones (a busy machine?): attention "
+                     "per KV byte taken as one read at the measured bandwidth")
+        per_kv_byte = 1 / m.bandwidth
+    device.attention_seconds_per_kv_byte = per_kv_byte
+
+    def predicted(requests: list[tuple[int, int, bool]], without: str | None = None) -> float:
+        parts = CostModel(profile, device).breakdown(StepShape.of(requests))
+        return sum(v for k, v in parts.items() if k != without)
+
+    # decodes: what is left beyond the predicted work is a fixed part per step and a part per request
+    residual_one = m.decode_one - predicted([(1, m.short, True)])
+    residual_batch = m.decode_short - predicted([(1, m.short, True)] * m.batch)
+    request = max(0.0, (residual_batch - residual_one) / (m.batch - 1)) if m.batch > 1 else 0.0
+    if residual_one < 0:
+        notes.append("a one-request decode step ran faster than its predicted compute: step overhead set to 0")
+    device.step_overhead, device.request_overhead = max(0.0, residual_one - request), request
+    # prompts: beyond their predicted linear, head and overhead work, a cost per token past the first (the first
+    # is in the per-request figure) plus attention's query-key FLOPs at their own rate; two lengths give both
+    def beyond(n: int) -> tuple[float, float, float]:
+        shape = StepShape.of([(n, 0, True)])
+        flops = 4 * profile.num_heads * profile.head_dim * shape.attn_pairs * profile.num_attn_layers
+        return n - 1, flops, m.prefill[n] - predicted([(n, 0, True)], without="attention")
+    (n1, f1, y1), (n2, f2, y2) = beyond(m.long), beyond(m.long // 4)
+    det = n1 * f2 - n2 * f1
+    per_token, per_flop = ((y1 * f2 - y2 * f1) / det, (n1 * y2 - n2 * y1) / det) if det else (-1.0, 0.0)
+    if per_token < 0 or per_flop <= 0:
+        per_token, per_flop = 0.0, (y1 / f1 if y1 > 0 and f1 else 0.0)
+        notes.append("the two prompt lengths did not separate a per-token cost from attention: all of it is "
+                     "taken as attention")
+    # a decode step has one token per request: the per-request figure fitted on decodes already held it
+    device.token_overhead, device.request_overhead = per_token, max(0.0, request - per_token)
+    device.attention_flops = 1 / per_flop if per_flop > 0 else None
+    return device, notes
+
+
+def calibrate(model: str, **kwargs) -> dict:
+    """Measure (keyword arguments: measure's) and fit; returns the device file's contents."""
+    from tidal.worker.memory import cache_budget_bytes
+    m = measure(model, **kwargs)
+    profile = profile_model(model, dtype="bfloat16")
+    device, notes = fit(profile, m)
+    check = m.long // 2
+    predicted_check = CostModel(profile, device).step_time(StepShape.of([(check, 0, True)]))
+    keys = ("peak_flops", "memory_bandwidth", "attention_seconds_per_kv_byte", "attention_flops", "step_overhead",
+            "layer_overhead", "request_overhead", "token_overhead")
+    return {
+        "base": "cpu", "name": f"cpu ({platform.node()}, {torch.get_num_threads()} threads)",
+        "memory_bytes": _memory_bytes(), **{k: getattr(device, k) for k in keys},
+        "gemm_flops_by_rows": {str(k): v for k, v in m.gemm_flops_by_rows.items()},
+        "kv_cache_memory_bytes": cache_budget_bytes(None),  # the engine's own CPU budget
+        "measured": {"model": model, "threads": torch.get_num_threads(), "batch": m.batch,
+                     "contexts": [m.short, m.long],
+                     "decode_step_s": {f"1x{m.short}": m.decode_one, f"{m.batch}x{m.short}": m.decode_short,
+                                       f"{m.batch}x{m.long}": m.decode_long},
+                     "prefill_step_s": {str(n): t for n, t in m.prefill.items()},
+                     # how well the fitted figures predict a step they were not fitted on
+                     "check_prefill_step_s": {"tokens": check, "measured": m.prefill[check],
+                                              "predicted": predicted_check},
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "notes": notes,
+    }
+
+
+def _memory_bytes() -> int:
+    import psutil
+    return psutil.virtual_memory().total
+
+
+def main(args) -> int:
+    model = os.path.expanduser(args.model)
+    result = calibrate(model, rows=args.rows, batch=args.batch, contexts=tuple(args.contexts), steps=args.steps,
+                       repeats=args.repeats)
+    with open(args.output, "w") as f:
+        json.dump(result, f, indent=2)
+    rates = ", ".join(f"M={k}: {v / 1e9:.1f}" for k, v in result["gemm_flops_by_rows"].items())
+    print(f"GEMM GFLOP/s ({rates}); bandwidth {result['memory_bandwidth'] / 1e9:.1f} GB/s; attention "
+          f"{result['attention_seconds_per_kv_byte'] * 1e12:.1f} ps per KV byte; step overhead "
+          f"{result['step_overhead'] * 1e3:.2f} ms + {result['request_overhead'] * 1e6:.0f} us per request + "
+          f"{result['token_overhead'] * 1e6:.1f} us per token; attention on prompts "
+          f"{(result['attention_flops'] or 0) / 1e9:.1f} GFLOP/s")
+    check = result["measured"]["check_prefill_step_s"]
+    print(f"check: a {check['tokens']}-token prefill step took {check['measured'] * 1e3:.1f} ms, predicted "
+          f"{check['predicted'] * 1e3:.1f} ms")
+    for note in result["notes"]:
+        print("note:", note)
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,195 @@
+"""`tidal plan`: will this model fit, and what traffic will it carry? The engine's scheduler and cache
+managers run in simulated time on a device from the table or a calibration file (see
+tidal/planner/__init__.py); `tidal plan calibrate` measures this machine.
+
+    tidal plan --model jamba-1.5-large --quantization experts_int8 -tp 8 --device H100-80GB \
+        --input-len 4096 --output-len 256 --context-lens 4096 262144
+    tidal plan --model llama-3-8b --device H100-80GB --slo-ttft 500 --slo-tpot 50 --plot latency.png
+    tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --output cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from tidal.worker.sizing import BUNDLED_CONFIGS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model and hardware")
+    m.add_argument("--model", default="smollm2-135m",
+                   help=f"a bundled config ({', '.join(BUNDLED_CONFIGS)}; any case), a config.json or a model folder")
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    m.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8", "experts_int8", "none"])
+    m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    m.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    m.add_argument("--device", default="cpu", help="H100-80GB, H200, A100-80GB, L40S or cpu (the table's figures)")
+    m.add_argument("--calibration", default=None, help="a device file from `tidal plan calibrate` (replaces --device)")
+    e = p.add_argument_group("engine (as `tidal serve`)")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=256)
+    w.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson (default inf: all at once)")
+    w.add_argument("--burstiness", type=float, default=1.0)
+    w.add_argument("--input-len", type=int, default=512)
+    w.add_argument("--output-len", type=int, default=128)
+    w.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    w.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    w.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares with others (prefix caching)")
+    w.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
+    w.add_argument("--workload", choices=["offline", "shared_prefix"], default=None,
+                   help="the benchmarks' request sets (tidal bench throughput --workload), at --request-rate")
+    w.add_argument("--trace", default=None, help="JSON (lines) of {arrival_time, prompt_len, output_len}")
+    w.add_argument("--seed", type=int, default=0)
+    o = p.add_argument_group("output")
+    o.add_argument("--context-lens", type=int, nargs="+", default=None,
+                   help="context lengths to count the requests that fit at once (default 4096 and max_model_len)")
+    o.add_argument("--slo-ttft", type=float, default=None, help="ms: find the highest rate meeting it")
+    o.add_argument("--slo-tpot", type=float, default=None, help="ms: find the highest rate meeting it")
+    o.add_argument("--slo-percentile", choices=["p50", "p99"], default="p99")
+    o.add_argument("--sweep", type=float, nargs="*", default=None,
+                   help="request rates to tabulate (no value: 0.1 to 2 x the saturation rate)")
+    o.add_argument("--plot", default=None, help="PNG of latency against request rate (needs matplotlib)")
+    o.add_argument("--output-json", default=None)
+
+
+def register(subparsers) -> None:
+    # allow_abbrev=False: the calibrate subcommand's --output must not read as an abbreviation of --output-json
+    p = subparsers.add_parser("plan", help="capacity planner: the real scheduler in simulated time", allow_abbrev=False,
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    sub = p.add_subparsers(dest="plan_command")
+    c = sub.add_parser("calibrate", help="measure this machine into a device file for --calibration")
+    c.add_argument("--model", default=os.path.join(os.path.expanduser("~/.cache/tidal-peers"), "smollm2-135m-instruct"),
+                   help="a model folder (bf16 is timed)")
+    c.add_argument("--output", default="tidal-calibration.json")
+    c.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048],
+                   help="rows of the timed products (2048: the default step budget of tokens)")
+    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--contexts", type=int, nargs=2, default=[64, 1024], metavar=("SHORT", "LONG"))
+    c.add_argument("--steps", type=int, default=20)
+    c.add_argument("--repeats", type=int, default=5)
+    c.set_defaults(func=_calibrate)
+
+
+def _calibrate(args) -> int:
+    from tidal.planner import calibrate
+    return calibrate.main(args)
+
+
+def build_requests(args, rate: float):
+    from tidal.planner import workload
+    if args.trace:
+        requests = workload.load_trace(args.trace, args.request_rate, args.seed)
+        # the trace as given at --request-rate; other rates (SLO search, sweep) replay it faster or slower
+        return requests if rate == args.request_rate else workload.at_rate(requests, rate)
+    if args.workload:
+        from tidal.benchmarks import datasets
+        return workload.from_requests(datasets.WORKLOADS[args.workload](), rate, args.burstiness, args.seed)
+    spec = workload.WorkloadSpec(args.num_requests, rate, tuple(args.input_len_range or (args.input_len,) * 2),
+                                 tuple(args.output_len_range or (args.output_len,) * 2), args.prefix_len,
+                                 args.num_prefixes, args.burstiness, args.seed)
+    return workload.synthesize(spec)
+
+
+def run(args) -> int:
+    from tidal.planner import report
+    from tidal.planner.devices import get_device, load_calibration
+    from tidal.planner.model import profile_model
+    from tidal.planner.simulator import EngineSettings, simulate
+    try:
+        profile = profile_model(args.model, dtype=args.dtype, quantization=args.quantization,
+                                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size, max_model_len=args.max_model_len)
+        device = load_calibration(args.calibration) if args.calibration else get_device(args.device)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}")
+        return 2
+    settings = EngineSettings(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size,
+                              args.enable_prefix_caching, args.enable_chunked_prefill, args.gpu_memory_utilization,
+                              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+
+    def at(rate: float) -> tuple[dict, object]:
+        result = simulate(profile, device, build_requests(args, rate), settings)
+        return report.summarize(result), result
+
+    try:
+        summary, result = at(args.request_rate)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    max_model_len = min(args.max_model_len or profile.max_model_len, profile.max_model_len)
+    context_lens = args.context_lens or sorted({min(4096, max_model_len), max_model_len})
+    fit = report.requests_that_fit(profile, result, args.max_num_seqs, args.block_size, context_lens)
+    out = {"model": vars(profile), "device": device.as_dict(), "cache": vars(result.plan), "fit": fit,
+           "summary": summary}
+    print(describe(profile, device, result.plan, fit, summary, args))
+    if summary["fits"] and (args.slo_ttft is not None or args.slo_tpot is not None or args.sweep is not None
+                            or args.plot):
+        saturation = at(float("inf"))[0]["request_throughput"]
+        if args.slo_ttft is not None or args.slo_tpot is not None:
+            rate, s = report.highest_rate(lambda r: at(r)[0], args.slo_ttft, args.slo_tpot, saturation,
+                                          args.slo_percentile)
+            out["slo"] = {"ttft_ms": args.slo_ttft, "tpot_ms": args.slo_tpot, "percentile": args.slo_percentile,
+                          "highest_rate": rate, "summary": s}
+            slo = " and ".join(f"{args.slo_percentile} {k} <= {v:g} ms" for k, v in
+                               (("TTFT", args.slo_ttft), ("TPOT", args.slo_tpot)) if v is not None)
+            if rate is None:
+                verdict = "none (even a trickle of requests misses it)"
+            elif rate == float("inf"):
+                verdict = f"any (met with every request arriving at once: {s['output_throughput']:.0f} output tok/s)"
+            else:
+                verdict = f"{rate:.3g} req/s ({s['output_throughput']:.0f} output tok/s)"
+            print(f"highest request rate with {slo}: {verdict}")
+        if args.sweep is not None or args.plot:
+            rates = args.sweep or [saturation * f for f in (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)]
+            points = [(r, at(r)[0]) for r in rates]
+            out["sweep"] = [{"request_rate": r, **s} for r, s in points]
+            print(report.sweep_table(points))
+            if args.plot:
+                why = report.plot_latency(points, args.plot, f"{profile.name} on {device.name}")
+                print(why or f"wrote {args.plot}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+    return 0 if summary["fits"] else 1
+
+
+def describe(profile, device, plan, fit: list[dict], s: dict, args) -> str:
+    gb = 1e9
+    n_dev = profile.tensor_parallel_size * profile.pipeline_parallel_size
+    lines = [f"{profile.name} ({profile.total_params / 1e9:.1f}B parameters) on {n_dev} x {device.name} "
+             f"({device.source}): TP={profile.tensor_parallel_size} PP={profile.pipeline_parallel_size}, {args.dtype}, "
+             f"quantization {profile.quantization or 'none'}, KV cache {profile.kv_cache_dtype}",
+             f"  per device: weights {profile.weight_bytes / gb:.2f} GB, KV {profile.kv_bytes_per_token} B per token, "
+             f"Mamba state {profile.state_bytes_per_request / 2**20:.2f} MiB per request"]
+    if device.name == "cpu" and device.source == "table":
+        lines.append("  (the cpu row holds placeholder figures: `tidal plan calibrate` measures this machine, "
+                     "then pass --calibration FILE)")
+    if not plan.fits:
+        lines.append(f"  DOES NOT FIT: {plan.reason}")
+        return "\n".join(lines)
+    slots = f", {plan.num_state_slots} state slots" if plan.num_state_slots else ""
+    lines.append(f"  cache budget {plan.budget_bytes / gb:.2f} GB: {plan.num_blocks} blocks of {args.block_size} "
+                 f"tokens ({plan.kv_tokens} tokens){slots}")
+    lines.append("  requests that fit at once: " + "; ".join(
+        f"{f['context_len']} tokens: {f['requests']} ({f['limited_by']})" for f in fit))
+    lines.append(f"  simulated {s['completed']} requests at {args.request_rate:g} req/s: {s['duration_s']:.2f} s, "
+                 f"{s['num_steps']} steps; {s['output_throughput']:.1f} output tok/s, "
+                 f"{s['total_token_throughput']:.1f} total tok/s, {s['request_throughput']:.2f} req/s")
+    lines.append(f"  TTFT p50 {s['p50_ttft_ms']:.1f} ms, p99 {s['p99_ttft_ms']:.1f} ms; "
+                 f"TPOT p50 {s['p50_tpot_ms']:.2f} ms, p99 {s['p99_tpot_ms']:.2f} ms; "
+                 f"preemptions {s['num_preemptions']}; most running at once {s['max_running']}; "
+                 f"peak KV use {s['peak_kv_usage']:.0%}; prefix-cache hits {s['prefix_hit_rate']:.0%}")
+    return "\n".join(lines)

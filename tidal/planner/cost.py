@@ -1,0 +1,81 @@
+"""The time of one engine step from its shape: each kind of work is a roofline, the longer of its FLOPs
+at the device's achieved rate and its bytes at the device's bandwidth, and the kinds add up (the engine
+runs them one after the other):
+
+- linear layers: 2 x tokens x parameters FLOPs; the weights read once per step;
+- MoE experts: top-k experts' FLOPs per token; the bytes of every expert some token routes to (the
+  expected number of distinct experts of T tokens choosing k of E: E x (1 - (1 - k/E)^T));
+- the LM head, only for the rows that sample;
+- attention: 4 x heads x head_dim FLOPs per query-key pair; each request's whole KV read once per layer
+  (measured as seconds per KV byte after calibration);
+- Mamba: the state read and written per request, and the scan's elementwise FLOPs per token;
+- tensor parallel: two all-reduces of [tokens, hidden] per layer and the logits' gather; pipeline
+  parallel: the stages run one after the other inside a step (the engine drains the pipeline each
+  step) and pass [tokens, hidden] between them;
+- host overhead: per step, per layer (kernel launches), per scheduled request (sampling, outputs) and
+  per token (elementwise work and inputs; measured on CPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.planner.devices import Device
+from tidal.planner.model import ModelProfile
+
+
+@dataclass
+class StepShape:
+    num_tokens: int        # tokens whose KV the step computes
+    num_seqs: int          # requests scheduled
+    num_sampled: int       # requests that sample (their logits are computed)
+    attn_pairs: float      # sum over requests of query-key pairs: q x (start + (q + 1) / 2)
+    kv_tokens_read: int    # sum over requests of start + q: KV tokens each attention layer reads
+
+    @classmethod
+    def of(cls, requests: list[tuple[int, int, bool]]) -> StepShape:
+        """From (num_tokens, start_pos, samples) per scheduled request."""
+        return cls(sum(q for q, _, _ in requests), len(requests), sum(1 for *_, s in requests if s),
+                   sum(q * (s + (q + 1) / 2) for q, s, _ in requests), sum(q + s for q, s, _ in requests))
+
+
+class CostModel:
+    def __init__(self, model: ModelProfile, device: Device) -> None:
+        self.model, self.device = model, device
+        self.kind = "int8" if model.quantization == "w8a8" else ("fp32" if model.act_bytes == 4 else "bf16")
+
+    def breakdown(self, shape: StepShape) -> dict[str, float]:
+        m, d = self.model, self.device
+        bw, T = d.achieved_bandwidth, max(shape.num_tokens, 1)
+        rate = d.gemm_rate(T, self.kind)
+        flops = 2 * T * m.dense_params
+        nbytes = m.dense_bytes + m.other_bytes
+        if m.num_experts:
+            k, E = m.experts_per_token, m.num_experts
+            flops += 2 * T * k * m.expert_params
+            nbytes += E * (1 - (1 - k / E) ** T) * m.expert_bytes
+        out = {"linear": max(flops / rate, nbytes / bw)}
+        S = shape.num_sampled
+        out["lm_head"] = max(2 * S * m.head_params / d.gemm_rate(max(S, 1)), m.head_bytes / bw) if S else 0.0
+        attn_flops = 4 * m.num_heads * m.head_dim * shape.attn_pairs * m.num_attn_layers
+        kv_bytes = m.kv_bytes_per_token * shape.kv_tokens_read
+        per_byte = d.attention_seconds_per_kv_byte or 1 / bw
+        out["attention"] = max(attn_flops / (d.attention_flops or d.peak_gemm_rate), kv_bytes * per_byte)
+        if m.num_mamba_layers:
+            scan_flops = 10 * T * m.num_mamba_layers * m.mamba_d_inner * m.mamba_d_state
+            out["mamba"] = max(scan_flops / d.vector_flops, 2 * shape.num_seqs * m.state_bytes_per_request / bw)
+        tp, pp = m.tensor_parallel_size, m.pipeline_parallel_size
+        comm = 0.0
+        if tp > 1:
+            ibw, lat = d.interconnect_bandwidth, d.interconnect_latency
+            act = T * m.hidden_size * m.act_bytes
+            comm += 2 * m.num_layers * (lat + 2 * (tp - 1) / tp * act / ibw)
+            comm += lat + S * m.vocab_size * 4 / ibw  # logits gathered from the vocabulary shards
+        if pp > 1:
+            comm += (pp - 1) * (d.interconnect_latency + T * m.hidden_size * m.act_bytes / d.interconnect_bandwidth)
+        out["communication"] = comm
+        out["overhead"] = d.step_overhead + d.layer_overhead * m.num_layers + d.request_overhead * shape.num_seqs \
+            + d.token_overhead * shape.num_tokens
+        return out
+
+    def step_time(self, shape: StepShape) -> float:
+        return sum(self.breakdown(shape).values())

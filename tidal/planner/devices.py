@@ -1,0 +1,114 @@
+"""Devices the planner can cost a step on: peak dense FLOP/s by arithmetic, memory bandwidth and capacity,
+the interconnect between tensor-parallel ranks, and the host overhead of an engine step.
+
+The GPU rows are the vendors' datasheet figures (dense, no sparsity; SXM parts) with achieved fractions
+of peak that large GEMMs and streaming reads commonly reach; their overheads are estimates for an eager
+(no CUDA graphs) engine. The CPU row is a placeholder to be replaced by a calibration file written by
+`tidal plan calibrate`, which measures this machine (tidal/planner/calibrate.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+GB = 1e9
+
+
+@dataclass
+class Device:
+    name: str
+    memory_bytes: float
+    peak_flops: dict[str, float]          # dense FLOP/s by arithmetic: bf16, fp32, int8, fp8
+    memory_bandwidth: float               # B/s
+    vector_flops: float                   # FLOP/s of elementwise work (the Mamba scan): fp32 without tensor cores
+    interconnect_bandwidth: float = 0.0   # B/s per direction per device (NVLink, PCIe)
+    interconnect_latency: float = 10e-6   # s per collective
+    gemm_efficiency: float = 0.7          # achieved share of peak_flops by large GEMMs
+    bandwidth_efficiency: float = 0.8     # achieved share of memory_bandwidth by streaming reads
+    # host and launch overhead of one engine step: fixed, per decoder layer, per scheduled request
+    step_overhead: float = 2e-3
+    layer_overhead: float = 40e-6
+    request_overhead: float = 20e-6
+    token_overhead: float = 0.0          # per token of the step: elementwise work and inputs (measured on CPU)
+    # measured (calibration file): achieved GEMM FLOP/s at a number of rows, and attention time per KV byte read
+    gemm_flops_by_rows: dict[int, float] = field(default_factory=dict)
+    attention_seconds_per_kv_byte: float | None = None
+    attention_flops: float | None = None  # achieved FLOP/s of attention's query-key products (prompts); None: GEMM peak
+    kv_cache_memory_bytes: float | None = None  # the engine's cache budget where it is fixed (CPU: 4 GiB)
+    source: str = "table"
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "memory_bandwidth", "vector_flops"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"device {self.name}: {name} must be a positive number, got {v!r}")
+        if "bf16" not in self.peak_flops:
+            raise ValueError(f"device {self.name}: peak_flops needs a bf16 entry, got {sorted(self.peak_flops)}")
+        self.gemm_flops_by_rows = {int(k): float(v) for k, v in self.gemm_flops_by_rows.items()}
+
+    def gemm_rate(self, rows: int, kind: str = "bf16") -> float:
+        """Achieved FLOP/s of a product with `rows` rows: measured (interpolated in log rows) when a
+        calibration gave figures, else the efficiency share of peak."""
+        peak = self.peak_flops.get(kind, self.peak_flops["bf16"])
+        if not self.gemm_flops_by_rows:
+            return peak * self.gemm_efficiency
+        scale = peak / self.peak_flops["bf16"]  # measured in bf16: other arithmetic scales by its peak ratio
+        pts = sorted(self.gemm_flops_by_rows.items())
+        if rows <= pts[0][0]:
+            return pts[0][1] * scale
+        for (m0, r0), (m1, r1) in zip(pts, pts[1:]):
+            if rows <= m1:
+                w = (math.log(rows) - math.log(m0)) / (math.log(m1) - math.log(m0))
+                return (r0 + w * (r1 - r0)) * scale
+        return pts[-1][1] * scale
+
+    @property
+    def achieved_bandwidth(self) -> float:
+        return self.memory_bandwidth * self.bandwidth_efficiency
+
+    @property
+    def peak_gemm_rate(self) -> float:
+        return max(self.gemm_flops_by_rows.values()) if self.gemm_flops_by_rows else \
+            self.peak_flops["bf16"] * self.gemm_efficiency
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+DEVICES = {
+    "H100-80GB": Device("H100-80GB", 80 * GB, {"bf16": 989e12, "fp32": 494e12, "int8": 1979e12, "fp8": 1979e12},
+                        3.35e12, 67e12, interconnect_bandwidth=450e9),
+    "H200": Device("H200", 141 * GB, {"bf16": 989e12, "fp32": 494e12, "int8": 1979e12, "fp8": 1979e12},
+                   4.8e12, 67e12, interconnect_bandwidth=450e9),
+    "A100-80GB": Device("A100-80GB", 80 * GB, {"bf16": 312e12, "fp32": 156e12, "int8": 624e12},
+                        2.039e12, 19.5e12, interconnect_bandwidth=300e9),
+    "L40S": Device("L40S", 48 * GB, {"bf16": 362e12, "fp32": 183e12, "int8": 733e12, "fp8": 733e12},
+                   0.864e12, 91.6e12, interconnect_bandwidth=32e9, interconnect_latency=20e-6),
+    # placeholder figures for a small AVX-512 host; `tidal plan calibrate` measures the real ones
+    "cpu": Device("cpu", 16 * GB, {"bf16": 100e9, "fp32": 50e9, "int8": 200e9}, 10e9, 20e9,
+                  interconnect_bandwidth=5e9, interconnect_latency=50e-6, gemm_efficiency=1.0, bandwidth_efficiency=1.0,
+                  step_overhead=3e-3, layer_overhead=0.0, request_overhead=100e-6,
+                  kv_cache_memory_bytes=4 * 2**30),
+}
+
+
+def get_device(name: str) -> Device:
+    for key, dev in DEVICES.items():
+        if key.lower() == name.lower():
+            return Device(**asdict(dev))
+    raise ValueError(f"unknown device {name!r}; the table has {', '.join(DEVICES)} (or give --calibration FILE)")
+
+
+def load_calibration(path: str) -> Device:
+    """A device from a calibration file (tidal plan calibrate): its fields override the table's row
+    for the device it names (`base`, default cpu)."""
+    with open(path) as f:
+        data = json.load(f)
+    base = get_device(data.pop("base", "cpu"))
+    known = {f.name for f in fields(Device)}
+    unknown = sorted(set(data) - known - {"measured", "notes"})
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}")
+    merged = {**asdict(base), **{k: v for k, v in data.items() if k in known}, "source": path}
+    return Device(**merged)

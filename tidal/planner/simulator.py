@@ -1,0 +1,187 @@
+"""The engine's loop in simulated time: the real Scheduler, KVCacheManager, BlockPool and StatePool
+(tidal/core/) schedule each step exactly as in `LLMEngine.step`, the cost model says how long the step
+takes, and the clock moves by that much. Requests arrive when the clock passes their arrival time
+(between steps, as they reach a running engine); each sampling request gets one token per step and
+stops at max_tokens through the engine's own stop checker.
+
+    result = simulate(profile, device, requests, EngineSettings(max_num_seqs=256))
+
+The cache is planned as the engine plans it (tidal/worker/memory.py): the budget is the device's
+memory x gpu_memory_utilization, less the weights and an activation reserve (or a fixed
+kv_cache_memory_bytes, as on CPU); Mamba state slots (doubled with prefix caching, for checkpoints)
+take at most half of it, KV blocks the rest.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from tidal.core.kv_cache_manager import KVCacheManager
+from tidal.core.scheduler import Scheduler
+from tidal.core.state_checkpoints import StateCheckpoints
+from tidal.core.state_pool import StatePool
+from tidal.engine.stop_checker import append_tokens
+from tidal.planner.cost import CostModel, StepShape
+from tidal.planner.devices import Device
+from tidal.planner.model import ModelProfile
+from tidal.planner.workload import SimRequest
+from tidal.request import Request
+from tidal.sampling_params import SamplingParams
+from tidal.worker.memory import plan_kv_cache, plan_state_slots
+
+
+@dataclass
+class EngineSettings:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    activation_reserve: float = 4e9        # bytes per device kept for activations (GPUs)
+    kv_cache_memory_bytes: int | None = None
+
+    def step_budget(self, max_model_len: int) -> int:
+        """The engine's rule (LLMEngine._max_num_batched_tokens)."""
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        return max(self.max_num_batched_tokens or 0, 2048, self.max_num_seqs, max_model_len)
+
+
+@dataclass
+class CachePlan:
+    fits: bool
+    reason: str = ""
+    budget_bytes: int = 0
+    num_blocks: int = 0
+    num_state_slots: int = 0      # 0: no Mamba layers
+    kv_tokens: int = 0
+
+
+@dataclass
+class RequestRecord:
+    arrival_time: float
+    prompt_len: int
+    output_len: int
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SimResult:
+    plan: CachePlan
+    records: list[RequestRecord] = field(default_factory=list)
+    num_steps: int = 0
+    num_preemptions: int = 0
+    busy_time: float = 0.0
+    end_time: float = 0.0
+    max_running: int = 0
+    peak_kv_usage: float = 0.0
+    prefix_hit_rate: float = 0.0
+
+
+def plan_cache(model: ModelProfile, device: Device, settings: EngineSettings, max_model_len: int) -> CachePlan:
+    budget = settings.kv_cache_memory_bytes or device.kv_cache_memory_bytes
+    if model.weight_bytes > device.memory_bytes * settings.gpu_memory_utilization:
+        return CachePlan(False, f"the weights take {model.weight_bytes / 1e9:.1f} GB per device, more than "
+                                f"{settings.gpu_memory_utilization:g} x {device.memory_bytes / 1e9:.0f} GB")
+    if budget is None:
+        budget = (device.memory_bytes * settings.gpu_memory_utilization - model.weight_bytes
+                  - settings.activation_reserve)
+    budget = int(budget)
+    if budget <= 0:
+        return CachePlan(False, f"no memory is left for the cache after {model.weight_bytes / 1e9:.1f} GB of weights "
+                                f"and {settings.activation_reserve / 1e9:.1f} GB of activations", budget)
+    slots, kv_budget = 0, budget
+    try:
+        if model.state_bytes_per_request:
+            per_slot = model.state_bytes_per_request * (2 if settings.enable_prefix_caching else 1)
+            slots = plan_state_slots(per_slot, settings.max_num_seqs, budget, model.kv_bytes_per_token > 0)
+            kv_budget = budget - slots * per_slot
+        kv = plan_kv_cache(model.kv_bytes_per_token, settings.block_size, max_model_len, kv_budget)
+    except ValueError as e:
+        return CachePlan(False, str(e), budget)
+    num_blocks = kv.num_blocks
+    if slots and not kv.bytes_per_token:
+        num_blocks = max(num_blocks, slots * -(-max_model_len // settings.block_size))
+    return CachePlan(True, "", budget, num_blocks, slots, num_blocks * settings.block_size)
+
+
+def _sampled_token(request: Request) -> int:
+    # distinct across requests and positions, so generated blocks are shared only between identical streams
+    return (int(request.request_id) * 7919 + request.num_tokens) % 256
+
+
+def simulate(model: ModelProfile, device: Device, requests: list[SimRequest],
+             settings: EngineSettings | None = None) -> SimResult:
+    settings = settings or EngineSettings()
+    max_model_len = min(settings.max_model_len or model.max_model_len, model.max_model_len)
+    plan = plan_cache(model, device, settings, max_model_len)
+    result = SimResult(plan)
+    if not plan.fits:
+        return result
+    for i, r in enumerate(requests):
+        if len(r.prompt_token_ids) + r.max_tokens > max_model_len:
+            raise ValueError(f"request {i}: {len(r.prompt_token_ids)} prompt + {r.max_tokens} output tokens exceed "
+                             f"max_model_len {max_model_len}")
+    kv = KVCacheManager(plan.num_blocks, settings.block_size, settings.enable_prefix_caching)
+    pool = StatePool(plan.num_state_slots) if plan.num_state_slots else None
+    checkpoints = StateCheckpoints(plan.num_state_slots, plan.num_state_slots) \
+        if pool is not None and settings.enable_prefix_caching else None
+    scheduler = Scheduler(kv, settings.max_num_seqs, settings.step_budget(max_model_len), max_model_len,
+                          state_pool=pool, state_checkpoints=checkpoints,
+                          enable_chunked_prefill=settings.enable_chunked_prefill)
+    cost = CostModel(model, device)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
+    records = [RequestRecord(r.arrival_time, len(r.prompt_token_ids), r.max_tokens) for r in requests]
+    live: dict[str, Request] = {}
+    now, nxt = 0.0, 0
+    scheduler_log = logging.getLogger("tidal.core.scheduler")
+    level = scheduler_log.level
+    scheduler_log.setLevel(logging.ERROR)  # a preemption is counted here, not logged once per event
+    try:
+        while nxt < len(order) or scheduler.has_unfinished_requests():
+            if not scheduler.has_unfinished_requests() and requests[order[nxt]].arrival_time > now:
+                now = requests[order[nxt]].arrival_time  # idle until the next arrival
+            while nxt < len(order) and requests[order[nxt]].arrival_time <= now:
+                i = order[nxt]
+                r = requests[i]
+                req = Request(str(i), r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                              arrival_time=r.arrival_time)
+                live[req.request_id] = req
+                scheduler.add_request(req)
+                nxt += 1
+            batch = scheduler.schedule()
+            if not batch.scheduled:
+                if nxt < len(order):
+                    now = max(now, requests[order[nxt]].arrival_time)
+                    continue
+                raise RuntimeError("the scheduler can run none of the waiting requests")
+            shape = StepShape.of([(sr.num_tokens, sr.start_pos, sr.sample) for sr in batch.scheduled])
+            dt = cost.step_time(shape)
+            now += dt
+            result.busy_time += dt
+            result.num_steps += 1
+            result.max_running = max(result.max_running, scheduler.num_running)
+            result.peak_kv_usage = max(result.peak_kv_usage, kv.pool.usage())
+            sampled = {sr.request_id: [_sampled_token(live[sr.request_id])] for sr in batch.scheduled if sr.sample}
+            scheduler.update(batch, sampled, lambda req, toks: append_tokens(req, toks, max_model_len))
+            for rid in sampled:
+                req, rec = live[rid], records[int(rid)]
+                if rec.first_token_time is None:
+                    rec.first_token_time = now
+                if req.is_finished:
+                    rec.finish_time = now
+                    rec.num_preemptions = req.num_preemptions
+                    rec.num_cached_tokens = max(req.num_cached_tokens, 0)
+                    del live[rid]
+    finally:
+        scheduler_log.setLevel(level)
+    result.records = records
+    result.num_preemptions = scheduler.num_preemptions
+    result.end_time = now
+    result.prefix_hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
+    return result
