@@ -2,7 +2,6 @@
 checkpoint read; the engine runs them as any model."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -12,7 +11,7 @@ import torch
 from tests.helpers import tiny_llm
 from tidal import SamplingParams
 from tidal.config import EngineConfig
-from tidal.loader.loader import DUMMY_CONFIGS, load_config, resolve_model_path
+from tidal.loader.loader import dummy_config
 
 
 @pytest.fixture
@@ -39,22 +38,30 @@ def test_dummy_weights_are_the_same_run_to_run(config_only_dir):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.mark.parametrize("name", DUMMY_CONFIGS)
-def test_bundled_configs_resolve_by_name(name):
-    path = resolve_model_path(name, load_format="dummy")
-    assert load_config(path).architectures == ["LlamaForCausalLM"]
-    with open(os.path.join(path, "config.json")) as f:
-        assert json.load(f)["model_type"] == "llama"
+@pytest.mark.parametrize(("name", "arch"), [("smollm2-135m", "LlamaForCausalLM"), ("Llama-3-8B", "LlamaForCausalLM"),
+                                            ("mixtral-8x7b", "MixtralForCausalLM")])
+def test_bundled_configs_are_found_by_name_in_any_case(name, arch):
+    folder, config = dummy_config(name)
+    assert folder is None and config.architectures == [arch]
+
+
+def test_a_bundled_config_runs_without_any_file():
+    """SmolLM2-135M's shape (30 layers), no folder: no tokenizer, token-id prompts."""
+    llm = tiny_llm("smollm2-135m", load_format="dummy", max_model_len=64)
+    assert llm.get_tokenizer() is None and llm.llm_engine.model_name == "smollm2-135m"
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
 
 
 def test_dummy_without_a_config_is_refused_naming_load_format(tmp_path):
-    with pytest.raises(ValueError, match="load_format 'dummy' needs a folder with a config.json"):
-        resolve_model_path(str(tmp_path), load_format="dummy")
+    with pytest.raises(ValueError, match="load_format 'dummy' needs a folder with a config.json or a bundled"):
+        dummy_config(str(tmp_path))
 
 
-def test_dummy_with_quantization_is_refused(config_only_dir):
+def test_dummy_with_quantization_is_refused():
     with pytest.raises(ValueError, match="load_format 'dummy'.*quantization 'int8' needs a checkpoint"):
-        tiny_llm(config_only_dir, load_format="dummy", quantization="int8")
+        EngineConfig(load_format="dummy", quantization="int8")
 
 
 def test_unknown_load_format_is_refused_naming_the_field():

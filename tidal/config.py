@@ -51,7 +51,7 @@ class EngineConfig:
     # load the weights), so True is harmless: it is accepted with one log line saying so
     trust_remote_code: bool = False
     # "auto": the checkpoint's weights; "dummy" (vLLM's name): random weights made on the device, no checkpoint
-    # read (model: a config.json folder, or a bundled config: "smollm2-135m", "llama-3-8b"), for benchmarks
+    # read (model: a config.json folder, or a bundled config of tidal/worker/sizing.py), for benchmarks
     load_format: str = "auto"
     # vLLM's CPU swap space (GiB) for preempted requests' KV blocks: Tidal preempts by recomputation,
     # so only 0 is accepted
@@ -84,6 +84,9 @@ class EngineConfig:
         from tidal.loader.loader import LOAD_FORMATS
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise ValueError(f"load_format 'dummy' makes plain random weights: quantization {self.quantization!r} "
+                             "needs a checkpoint")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}; got {self.tokenizer_mode!r} "
                              "(Tidal loads tokenizers with transformers only: no 'mistral' or custom tokenizers)")

@@ -72,7 +72,7 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
                    "per-layer scales from the checkpoint when it has them, else 1.0)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: the checkpoint's weights; dummy: random weights made on the device, no checkpoint read "
-                   "(--model: a folder with a config.json, or a bundled config: smollm2-135m, llama-3-8b), for "
+                   "(--model: a folder with a config.json, or a bundled config: smollm2-135m, llama-3-8b, ...), for "
                    "benchmarks (default auto)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '

