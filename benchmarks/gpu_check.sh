@@ -7,25 +7,34 @@
 # through PYTHONPATH: nothing is built or installed into the machine's Python). Each step runs even
 # if an earlier one failed; the exit status is non-zero if any failed. Everything lands in $OUT:
 #
-#   env.txt       nvidia-smi, Python, torch / CUDA / transformers versions, carried wheels installed
-#   pytest.txt    tests/test_cuda.py (GPU vs CPU vs transformers, bf16, preemption, seeds, memory)
-#   generate.txt  `tidal generate --device cuda` on a random SmolLM2-135M-shaped model
-#   bench.txt     `tidal bench throughput` on CUDA: that model, bf16, 128 random requests
-#   bench.json    (32-512 prompt tokens, 16-256 output tokens, greedy, ignore_eos), all figures
+#   env.txt       nvidia-smi, Python, torch / CUDA / triton / transformers versions, carried wheels installed
+#   pytest.txt    tests/test_cuda.py (GPU vs CPU vs transformers, bf16, preemption, seeds, memory) and
+#                 tests/test_triton_kernels.py compiled for the GPU (no interpreter: the Triton paged
+#                 attention, fused norm / rotary + KV write / silu-and-mul against torch, the Triton
+#                 backend against torch_sdpa in the engine)
+#   offline_smollm2.json/.txt          benchmarks/gpu_bench.py --case offline on a SmolLM2-135M-shaped
+#                                      model (bundled config, load_format dummy, bf16): output tok/s, per-step
+#                                      wall, GPU span of the model and host time
+#   decode_llama3_8b.json/.txt         --case decode on a Llama-3-8B-shaped dummy model (bf16): one request,
+#                                      128 prompt -> 256 output tokens; time per output token against weight
+#                                      bytes / 4.8 TB/s
+#   offline_smollm2_torch_sdpa.json    the offline run again with TIDAL_ATTENTION_BACKEND=torch_sdpa (A/B;
+#                                      SKIP_BASELINE=1 skips it)
 #   summary.txt   one line per step, also printed last
 #
 # Missing Python packages travel as wheels in gpu_wheels/ (made by benchmarks/gpu_wheels.sh; not
 # tracked by git, so a remote run must carry that folder). A wheel is installed, into a private
 # folder on PYTHONPATH, only where the machine has no such package or an older one.
 #
-# Time: about 2-3 minutes expected on an H200. Each step has a timeout, and no step runs past
+# Time: not yet measured with the Triton kernels (their first compile adds seconds per kernel variant);
+# expected 4-6 minutes on an H200. Each step has a timeout, and no step runs past
 # TOTAL_TIMEOUT (540 s) from the start, so a remote command limit of 600 s always gets the summary.
 #
 # Knobs (environment): PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3),
-# TOTAL_TIMEOUT (540 s), PYTEST_TIMEOUT (300 s), BENCH_TIMEOUT (180 s), BENCH_DEVICE (cuda), BENCH_TINY=1 (a 2-layer model:
-# a smoke test of this script on a CPU), BENCH_NUM_PROMPTS (128), BENCH_INPUT_LEN ("32 512"),
-# BENCH_OUTPUT_LEN ("16 256"), BENCH_ARGS (extra engine flags), BENCH_COMPARE_HF=1 (also time
-# transformers' generate on the same GPU: adds about a minute), SKIP_TESTS=1, SKIP_BENCH=1.
+# TOTAL_TIMEOUT (540 s), PYTEST_TIMEOUT (240 s), BENCH_TIMEOUT (120 s per benchmark), BENCH_DEVICE (cuda),
+# BENCH_TINY=1 (a 2-layer config and a few requests: a smoke test of this script on a CPU, with
+# BENCH_DEVICE=cpu SKIP_TESTS=1), BENCH_ARGS (extra flags of gpu_bench.py), SKIP_TESTS=1, SKIP_BENCH=1,
+# SKIP_BASELINE=1.
 set -u
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,12 +46,9 @@ if [ -z "${PYTHON:-}" ]; then
     if [ -x /opt/torch/.venv/bin/python3 ]; then PYTHON=/opt/torch/.venv/bin/python3; else PYTHON=python3; fi
 fi
 TOTAL_TIMEOUT=${TOTAL_TIMEOUT:-540}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-300}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-240}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
 BENCH_DEVICE=${BENCH_DEVICE:-cuda}
-BENCH_NUM_PROMPTS=${BENCH_NUM_PROMPTS:-128}
-BENCH_INPUT_LEN=${BENCH_INPUT_LEN:-32 512}
-BENCH_OUTPUT_LEN=${BENCH_OUTPUT_LEN:-16 256}
 BENCH_ARGS=${BENCH_ARGS:-}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tidal-gpu-check.XXXXXX")
@@ -86,7 +92,7 @@ if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("gpu", torch.cuda.get_device_name(0), f"capability {p.major}.{p.minor}", f"{p.total_memory / 2**30:.1f} GiB",
           "count", torch.cuda.device_count())
-for name in ("transformers", "tokenizers", "safetensors", "numpy", "pytest", "psutil"):
+for name in ("triton", "transformers", "tokenizers", "safetensors", "numpy", "pytest", "psutil"):
     try:
         print(name, __import__(name).__version__)
     except Exception as e:  # noqa: BLE001
@@ -132,58 +138,64 @@ EOF
     fi
 } > "$OUT/env.txt" 2>&1
 step "environment (env.txt)" $?
-grep -E "^(python|torch|gpu|transformers) " "$OUT/env.txt"
+grep -E "^(python|torch|gpu|triton|transformers) " "$OUT/env.txt"
 
 # -- 2. tests --------------------------------------------------------------------------------------
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    echo "== pytest tests/test_cuda.py (timeout ${PYTEST_TIMEOUT}s)"
+    echo "== pytest tests/test_cuda.py tests/test_triton_kernels.py (timeout ${PYTEST_TIMEOUT}s)"
     # no -x: with one run on the machine, every failing test is worth seeing
     timeout -k 5 "$(limit "$PYTEST_TIMEOUT")" "$PYTHON" -m pytest -q -rfEs --durations=12 -p no:cacheprovider \
-        tests/test_cuda.py > "$OUT/pytest.txt" 2>&1
+        tests/test_cuda.py tests/test_triton_kernels.py > "$OUT/pytest.txt" 2>&1
     rc=$?
     tail -n 40 "$OUT/pytest.txt"
-    step "tests/test_cuda.py: $(grep -E '(passed|failed|error)' "$OUT/pytest.txt" | tail -n 1) (pytest.txt)" $rc
+    step "tests/test_cuda.py + test_triton_kernels.py: $(grep -E '(passed|failed|error)' "$OUT/pytest.txt" | tail -n 1) (pytest.txt)" $rc
 fi
 
-# -- 3. generate and throughput on a random SmolLM2-135M-shaped model --------------------------------
+# -- 3. benchmarks on dummy weights (no checkpoint: bundled configs, load_format "dummy") ----------
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-    MODEL="$WORK/smollm2-random"
-    echo "== building the random model"
-    size=$([ "${BENCH_TINY:-0}" = 1 ] && echo --tiny)
-    # shellcheck disable=SC2086  # $size: no word when empty
-    timeout -k 5 "$(limit 120)" "$PYTHON" benchmarks/random_smollm2.py "$MODEL" $size 2>&1 | tail -n 3
-    step "random model built" "${PIPESTATUS[0]}"
-
-    echo "== tidal generate --device $BENCH_DEVICE"
-    # shellcheck disable=SC2086  # BENCH_ARGS: several flags
-    timeout -k 5 "$(limit 120)" "$PYTHON" -m tidal.entrypoints.cli generate "t5 t6 t7 t8" --model "$MODEL" \
-        --device "$BENCH_DEVICE" --dtype bfloat16 --max-tokens 8 --temperature 0 --show-stats \
-        --gpu-memory-utilization 0.5 $BENCH_ARGS > "$OUT/generate.txt" 2>&1
-    rc=$?
-    tail -n 6 "$OUT/generate.txt"
-    step "tidal generate --device $BENCH_DEVICE (generate.txt)" $rc
-
-    echo "== tidal bench throughput --device $BENCH_DEVICE (timeout ${BENCH_TIMEOUT}s)"
-    rm -f "$OUT/bench.json"
-    compare=$([ "${BENCH_COMPARE_HF:-0}" = 1 ] && echo "--compare hf")
-    # shellcheck disable=SC2086  # the length ranges, $compare and BENCH_ARGS split into words
-    timeout -k 5 "$(limit "$BENCH_TIMEOUT")" "$PYTHON" -m tidal.entrypoints.cli bench throughput --model "$MODEL" \
-        --device "$BENCH_DEVICE" --dtype bfloat16 --dataset random --num-prompts "$BENCH_NUM_PROMPTS" \
-        --input-len-range $BENCH_INPUT_LEN --output-len-range $BENCH_OUTPUT_LEN --seed 0 \
-        --output-json "$OUT/bench.json" $compare $BENCH_ARGS > "$OUT/bench.txt" 2>&1
-    rc=$?
-    tail -n 8 "$OUT/bench.txt"
-    figures=$("$PYTHON" - "$OUT/bench.json" <<'EOF' 2>/dev/null
+    SMALL=smollm2-135m
+    LARGE=llama-3-8b
+    offline_args=""
+    decode_args="--prompt-len 128 --output-len 256"
+    if [ "${BENCH_TINY:-0}" = 1 ]; then  # a smoke test of this script on a CPU: a 2-layer config, a few requests
+        SMALL="$WORK/tiny-config"
+        LARGE="$SMALL"
+        mkdir -p "$SMALL"
+        "$PYTHON" - "$SMALL/config.json" <<'EOF'
 import json
 import sys
 
-r = json.load(open(sys.argv[1]))
-t = r["tidal"]
-print(f"{t['output_tokens_per_s']:.0f} output tok/s, {t['total_tokens_per_s']:.0f} total tok/s, "
-      f"{t['num_requests']} requests in {t['elapsed_s']:.1f} s, {r['dtype']} on {r['machine'].get('gpu') or 'cpu'}")
+json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "vocab_size": 49152, "tie_word_embeddings": True},
+          open(sys.argv[1], "w"))
 EOF
-    )
-    step "bench throughput: ${figures:-no figures} (bench.txt, bench.json)" $rc
+        offline_args="--num-prompts 4 --max-tokens 8"
+        decode_args="--prompt-len 16 --output-len 8"
+    fi
+
+    bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu_bench.py run, its RESULT line into NAME.json
+        local name=$1 secs=$2
+        shift 2
+        echo "== gpu_bench $name: $* (timeout ${secs}s)"
+        rm -f "$OUT/$name.json"
+        # shellcheck disable=SC2086  # BENCH_ARGS: several flags
+        timeout -k 5 "$(limit "$secs")" "$PYTHON" benchmarks/gpu_bench.py --device "$BENCH_DEVICE" --dtype bfloat16 \
+            --output-json "$OUT/$name.json" "$@" $BENCH_ARGS > "$OUT/$name.txt" 2>&1
+        local rc=$?
+        tail -n 4 "$OUT/$name.txt"
+        step "$name: $(cat "$OUT/$name.json" 2>/dev/null || echo 'no result') ($name.txt)" $rc
+    }
+
+    # shellcheck disable=SC2086  # the argument lists split into words
+    bench offline_smollm2 "$BENCH_TIMEOUT" --case offline --model "$SMALL" $offline_args
+    # shellcheck disable=SC2086
+    bench decode_llama3_8b "$BENCH_TIMEOUT" --case decode --model "$LARGE" $decode_args
+    if [ "${SKIP_BASELINE:-0}" != 1 ]; then  # the same offline run through torch's attention path, for an A/B
+        # shellcheck disable=SC2086
+        TIDAL_ATTENTION_BACKEND=torch_sdpa bench offline_smollm2_torch_sdpa "$BENCH_TIMEOUT" --case offline \
+            --model "$SMALL" $offline_args
+    fi
 fi
 
 note "total $(($(date +%s) - START)) s; $([ "$STATUS" -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED')"

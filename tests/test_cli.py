@@ -132,6 +132,7 @@ ENGINE_FLAG_VALUES = {
                              '{"method": "ngram"}'),
     "--served-model-name": (["--served-model-name", "x"], "served_model_name", "x"),
     "--disable-log-stats": (["--disable-log-stats"], "disable_log_stats", True),
+    "--load-format": (["--load-format", "dummy"], "load_format", "dummy"),
 }
 
 

@@ -31,7 +31,9 @@ class EngineConfig:
     # max_num_batched_tokens >= max_model_len (the default budget is raised to it)
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds the sampler's generator for requests without their own seed
-    enforce_eager: bool = False  # always true in effect: nothing is compiled or captured as a graph
+    # always true in effect: no CUDA graph is captured and torch.compile never runs (Triton's kernels are
+    # compiled on first use either way)
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -48,6 +50,9 @@ class EngineConfig:
     # Tidal never runs code from a checkpoint (its own implementations of the supported architectures
     # load the weights), so True is harmless: it is accepted with one log line saying so
     trust_remote_code: bool = False
+    # "auto": the checkpoint's weights; "dummy" (vLLM's name): random weights made on the device, no checkpoint
+    # read (model: a config.json folder, or a bundled config of tidal/worker/sizing.py), for benchmarks
+    load_format: str = "auto"
     # vLLM's CPU swap space (GiB) for preempted requests' KV blocks: Tidal preempts by recomputation,
     # so only 0 is accepted
     swap_space: float = 0
@@ -80,6 +85,12 @@ class EngineConfig:
                              f"checkpoint's own weights); got {self.quantization!r}")
         from tidal.layers.attention.kv_cache_dtype import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)  # "auto" (the model's dtype), "fp8" / "fp8_e4m3"
+        from tidal.loader.loader import LOAD_FORMATS
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise ValueError(f"load_format 'dummy' makes plain random weights: quantization {self.quantization!r} "
+                             "needs a checkpoint")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)}; got {self.tokenizer_mode!r} "
                              "(Tidal loads tokenizers with transformers only: no 'mistral' or custom tokenizers)")

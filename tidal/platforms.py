@@ -5,20 +5,27 @@
     platform.describe()            # one line for the start-up log
 
 CpuPlatform uses the native kernels when they built for this CPU's ISA level (tidal/native.py), else
-torch's paths; CudaPlatform takes torch's paths (fused SDPA, cuBLAS). `TIDAL_ATTENTION_BACKEND`
-(`cpu_native` or `torch_sdpa`, as vLLM's VLLM_ATTENTION_BACKEND) overrides the choice. The GEMM path
+torch's paths; CudaPlatform takes the Triton kernels when triton is installed (paged attention; fused
+norm, rotary and activation kernels in the layers), else torch's paths (fused SDPA), saying so in the
+log. `TIDAL_ATTENTION_BACKEND` (`cpu_native`, `torch_sdpa` or `triton`, as vLLM's
+VLLM_ATTENTION_BACKEND) overrides the choice; `triton` runs on a CPU only under Triton's interpreter
+(TRITON_INTERPRET=1: slow, for tests). The GEMM path
 of each linear layer is chosen by its weight's dtype and device (tidal/layers/linear.py); threads are
 set per worker (tidal/worker/executor.py).
 """
 from __future__ import annotations
 
+import logging
 import os
+from functools import cache
 
 import torch
 
-from tidal.layers.attention.backends import AttentionBackend, CPUNativeBackend, TorchSDPABackend
+from tidal.layers.attention.backends import AttentionBackend, CPUNativeBackend, TorchSDPABackend, TritonBackend
+from tidal.layers.triton_utils import triton_available, triton_interpreting
 
-BACKENDS = {b.name: b for b in (CPUNativeBackend, TorchSDPABackend)}
+logger = logging.getLogger(__name__)
+BACKENDS = {b.name: b for b in (CPUNativeBackend, TorchSDPABackend, TritonBackend)}
 
 
 class Platform:
@@ -46,7 +53,10 @@ class Platform:
 
 class CpuPlatform(Platform):
     device_type = "cpu"
-    backends = ("cpu_native", "torch_sdpa")
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return ("cpu_native", "torch_sdpa") + (("triton",) if triton_interpreting() else ())
 
     def default_attention_backend(self) -> AttentionBackend:
         from tidal.layers import cpu_kernels
@@ -61,6 +71,19 @@ class CpuPlatform(Platform):
 
 class CudaPlatform(Platform):
     device_type = "cuda"
+    backends = ("triton", "torch_sdpa")
+
+    def default_attention_backend(self) -> AttentionBackend:
+        if triton_available():
+            return TritonBackend()
+        _log_no_triton()
+        return TorchSDPABackend()
+
+
+@cache
+def _log_no_triton() -> None:  # once per process, however many runners ask
+    logger.info("triton is not installed: attention, norms, rotary and activations on CUDA take torch's paths "
+                "(pip install 'tidal[gpu]' for the Triton kernels)")
 
 
 class MetaPlatform(Platform):

@@ -69,7 +69,7 @@ class LLMEngine:
         self._log_accepted_flags()
         loaded = load_model_meta(config) if workers else load_model(
             config.model, config.dtype, quantization=config.quantization, device=config.device,
-            tokenizer=config.tokenizer, tokenizer_mode=config.tokenizer_mode)
+            tokenizer=config.tokenizer, tokenizer_mode=config.tokenizer_mode, load_format=config.load_format)
         self.model_name = config.served_model_name or loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

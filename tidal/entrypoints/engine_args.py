@@ -73,6 +73,10 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
                    help="KV cache dtype: auto (the model's dtype; bf16 under fp32 activations with bf16 weights), "
                    "fp8 or fp8_e4m3 (E4M3, one byte per value: twice the tokens of a bf16 cache in the same memory; "
                    "per-layer scales from the checkpoint when it has them, else 1.0)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the checkpoint's weights; dummy: random weights made on the device, no checkpoint read "
+                   "(--model: a folder with a config.json, or a bundled config: smollm2-135m, llama-3-8b, ...), for "
+                   "benchmarks (default auto)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative_decoding.md)')
@@ -102,4 +106,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, disable_log_stats=args.disable_log_stats,
         speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
+        load_format=args.load_format,
     )

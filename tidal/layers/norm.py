@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.layers import cpu_kernels
+from tidal.layers import cpu_kernels, triton_utils
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +16,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With a residual: returns (norm(x + residual), x + residual), the fused pre-norm pattern."""
         fused = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)  # one pass instead of ~6 ops
+        if fused is None and (kernels := triton_utils.kernels_for(x)) is not None:  # CUDA with triton
+            fused = kernels.rms_norm(x, self.weight, self.eps, residual)
         if fused is not None:
             return fused
         if residual is not None:

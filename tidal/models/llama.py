@@ -48,10 +48,8 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         # q and k heads are adjacent in the fused output: rotate them in one pass
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = self._rotary[0].rotate(positions, qk).view(T, -1)
-        q, k = qk[:, :self.q_size], qk[:, self.q_size:]
         v = qkv[:, self.q_size + self.kv_size:]
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn.forward_rotary(positions, qk, v, self._rotary[0]))
 
 
 class LlamaMLP(nn.Module):

@@ -74,6 +74,7 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     from tidal.loader import gguf_loader
     from tidal.loader.loader import (
         DEFAULT_MODEL_NAME,
+        dummy_config,
         load_config,
         load_tokenizer,
         resolve_dtypes,
@@ -82,12 +83,16 @@ def load_model_meta(engine_config: EngineConfig) -> ModelMeta:
     from tidal.models.registry import resolve_model_class
     model, dtype = engine_config.model, engine_config.dtype
     tp, pp = engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size
-    path = resolve_model_path(model)
-    is_gguf = path.endswith(".gguf")
     quantization = engine_config.quantization
-    if is_gguf:  # as load_model: converted once here (if at all), so the workers only read the conversion
-        path, quantization = gguf_loader.prepare_gguf(path, quantization)
-    config = load_config(path)
+    if engine_config.load_format == "dummy":  # random weights in the workers: a config, no checkpoint
+        path, config = dummy_config(model)
+        is_gguf = False
+    else:
+        path = resolve_model_path(model)
+        is_gguf = path.endswith(".gguf")
+        if is_gguf:  # as load_model: converted once here (if at all), so the workers only read the conversion
+            path, quantization = gguf_loader.prepare_gguf(path, quantization)
+        config = load_config(path)
     model_cls = resolve_model_class(config)  # refuse an unsupported architecture before any worker starts
     if pp > 1 and not getattr(model_cls, "supports_pp", False):
         raise ValueError(f"{model_cls.__name__} does not support pipeline parallelism yet "

@@ -71,7 +71,8 @@ class Worker:
         init_distributed(self.rank, self.tp_size, self.pp_size, init_method, self.timeout_s,
                          backend="nccl" if device.type == "cuda" else "gloo")
         loaded = load_model(self.config.model, self.config.dtype, quantization=self.config.quantization, device=device,
-                            tokenizer=self.config.tokenizer, tokenizer_mode=self.config.tokenizer_mode)
+                            tokenizer=self.config.tokenizer, tokenizer_mode=self.config.tokenizer_mode,
+                            load_format=self.config.load_format)
         model = loaded.model
         all_reduce = self._init_all_reduce(loaded.config, device)
         self.runner = ModelRunner.from_config(loaded, self.config, self.eos_token_ids)

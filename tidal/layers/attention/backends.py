@@ -7,10 +7,13 @@
                        prefix, read in place from the blocks by the native kernel (tidal/layers/cpu_kernels.py)
                        through the worker's persistent block table and a row index per token: no gather,
                        no mask, no loop over requests
-    TorchSDPABackend   wherever torch runs (the path on CUDA): decodes gather their blocks and attend with a
+    TorchSDPABackend   wherever torch runs (CUDA without triton): decodes gather their blocks and attend with a
                        padding mask; each prompt chunk takes torch's fused scaled-dot-product attention
+    TritonBackend      CUDA with triton installed: one Triton kernel attends the whole flattened batch in place
+                       through the block table (tidal/layers/attention/triton_attention.py); on a CPU only
+                       under Triton's interpreter (TRITON_INTERPRET=1), which is how it is tested without a GPU
 
-The platform (tidal/platforms.py) picks one for the device. A GPU kernel backend would add a class here.
+The platform (tidal/platforms.py) picks one for the device.
 """
 from __future__ import annotations
 
@@ -128,3 +131,56 @@ class TorchSDPABackend(AttentionBackend):
                                    layer.v_scale)
             out[q_start:q_start + q_len] = prefill_attention(qs, ks, vs, ctx_len, layer.scale)
         return out.view(T, -1)
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor     # [T] int64
+    block_table: torch.Tensor      # [num_reqs, blocks of the longest request] int64, rows in batch order
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    seq_lens: torch.Tensor         # [num_reqs] int64: tokens in the cache after this step's
+    max_query_len: int
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        # import triton only when this backend is chosen
+        from tidal.layers import triton_kernels
+        from tidal.layers.attention import triton_attention
+        self._attention, self._kernels = triton_attention.paged_attention, triton_kernels
+
+    def build(self, step, device: torch.device) -> TritonMetadata:
+        qsl = torch.from_numpy(step.query_start_loc)
+        num_blocks = -(-step.max_seq_len // step.block_size)
+        table = step.block_table[torch.from_numpy(step.rows), :num_blocks]
+        return TritonMetadata(slot_mapping=to_device(step.slot_mapping, device), block_table=to_device(table, device),
+                              query_start_loc=to_device(qsl, device),
+                              seq_lens=to_device(torch.from_numpy(step.seq_lens), device),
+                              max_query_len=int((qsl[1:] - qsl[:-1]).max()))
+
+    def forward(self, layer, q, k, v, meta: TritonMetadata) -> torch.Tensor:
+        T = q.shape[0]
+        k_cache, v_cache = split_kv_cache(layer.kv_cache)
+        write_kv(k_cache, v_cache, k.view(T, layer.num_kv_heads, layer.head_dim),
+                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale)
+        return self._attend(layer, q.view(T, layer.num_heads, layer.head_dim), k_cache, v_cache, meta)
+
+    def forward_rotary(self, layer, positions, qk, v, rotary, meta: TritonMetadata) -> torch.Tensor:
+        """q/k not yet rotated: one kernel rotates q, and rotates k and writes it with v into the cache."""
+        T = qk.shape[0]
+        k_cache, v_cache = split_kv_cache(layer.kv_cache)
+        q = self._kernels.rotary_write_kv(positions, qk, v.view(T, layer.num_kv_heads, layer.head_dim),
+                                          layer.num_heads, rotary.cos_full, rotary.sin_signed, k_cache, v_cache,
+                                          meta.slot_mapping, layer.k_scale, layer.v_scale)
+        if q is None:  # a layout the kernel does not take
+            qk = rotary.rotate(positions, qk).view(T, -1)
+            q_size = layer.num_heads * layer.head_dim
+            return self.forward(layer, qk[:, :q_size], qk[:, q_size:], v, meta)
+        return self._attend(layer, q, k_cache, v_cache, meta)
+
+    def _attend(self, layer, q, k_cache, v_cache, meta: TritonMetadata) -> torch.Tensor:
+        out = self._attention(q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
+                              layer.scale, meta.max_query_len, layer.k_scale, layer.v_scale)
+        return out.view(q.shape[0], -1)

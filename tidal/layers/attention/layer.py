@@ -37,6 +37,19 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         return ctx.attn_backend.forward(self, q, k, v, ctx.attn_metadata)
 
+    def forward_rotary(self, positions: torch.Tensor, qk: torch.Tensor, v: torch.Tensor, rotary) -> torch.Tensor:
+        """qk [T, Hq + Hk, D] not yet rotated (q heads, then k heads), v [T, Hk * D] -> [T, Hq * D]. A backend
+        that rotates q/k as it writes the cache (`forward_rotary`: the Triton backend) takes them as they are;
+        otherwise q and k are rotated in one pass first."""
+        ctx = get_forward_context()
+        fused = getattr(ctx.attn_backend, "forward_rotary", None)
+        if fused is not None:
+            return fused(self, positions, qk, v, rotary, ctx.attn_metadata)
+        T = qk.shape[0]
+        qk = rotary.rotate(positions, qk).view(T, -1)
+        q_size = self.num_heads * self.head_dim
+        return ctx.attn_backend.forward(self, qk[:, :q_size], qk[:, q_size:], v, ctx.attn_metadata)
+
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
     return (2, num_blocks, num_kv_heads, block_size, head_dim)

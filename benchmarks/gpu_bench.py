@@ -1,0 +1,133 @@
+"""Engine steps on random (dummy) weights: throughput of the `offline` workload, or batch-1 decode against
+the memory-bandwidth floor. No checkpoint is needed (load_format="dummy", bundled configs).
+
+    python benchmarks/gpu_bench.py --case offline --model smollm2-135m [--device cuda] [--dtype bfloat16]
+    python benchmarks/gpu_bench.py --case decode --model llama-3-8b --prompt-len 128 --output-len 256 \
+        [--bandwidth-gbs 4800]
+
+Runs the requests through `LLMEngine.step` and times every step on the host (wall); on CUDA it also
+records CUDA events around the model's forward and LM head, whose elapsed time (read after the run) is
+the GPU's span of the step's model work: wall - span is time the GPU waited on the host (inputs,
+scheduling, sampling, outputs). `decode`: the median step of the single request's decode steps is the
+time per output token, compared with weight bytes / bandwidth (H200: 4.8 TB/s). Prints one JSON line
+starting with "RESULT " (and writes it to --output-json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import workload  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", choices=["offline", "decode"], default="offline")
+    ap.add_argument("--model", default="smollm2-135m", help="a bundled config name or a config.json folder")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--num-prompts", type=int, default=None, help="offline: only the first N requests")
+    ap.add_argument("--max-tokens", type=int, default=None, help="offline: cap each request's output")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the decode floor")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from tidal import LLM, SamplingParams
+    llm = LLM(model=args.model, load_format="dummy", dtype=args.dtype, device=args.device,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = llm.llm_engine
+    runner = engine.runner
+    cuda = runner.device.type == "cuda"
+    spans: list = []  # per step: (start event, end event) around the model's forward and LM head
+
+    if cuda:
+        model = runner.model
+        forward, logits = model.forward, model.compute_logits
+
+        def timed_forward(*a, **kw):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            spans.append([start, None])
+            return forward(*a, **kw)
+
+        def timed_logits(*a, **kw):
+            out = logits(*a, **kw)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            if spans:
+                spans[-1][1] = end
+            return out
+        model.forward, model.compute_logits = timed_forward, timed_logits
+
+    def run(reqs) -> dict:
+        for i, r in enumerate(reqs):
+            engine.add_request(f"r{time.monotonic_ns()}-{i}", {"prompt_token_ids": r["prompt_token_ids"]},
+                               SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+        spans.clear()
+        step_s, generated = [], 0
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            s0 = time.perf_counter()
+            for out in engine.step():
+                if out.finished:
+                    generated += len(out.outputs[0].token_ids)
+            step_s.append(time.perf_counter() - s0)
+        wall = time.perf_counter() - t0
+        res = {"requests": len(reqs), "steps": len(step_s), "wall_s": round(wall, 3),
+               "output_tokens": generated, "output_tok_s": round(generated / wall, 1),
+               "step_ms_mean": round(1e3 * wall / len(step_s), 3)}
+        if cuda:
+            torch.cuda.synchronize()
+            gpu = [s.elapsed_time(e) for s, e in spans if e is not None]  # ms
+            res["gpu_model_ms_per_step"] = round(sum(gpu) / len(gpu), 3)
+            res["host_ms_per_step"] = round(1e3 * wall / len(step_s) - sum(gpu) / len(gpu), 3)
+        return res, step_s
+
+    if args.case == "offline":
+        reqs = workload.WORKLOADS["offline"]()[:args.num_prompts]
+        warm = workload.WORKLOADS["offline"](seed=1000, n=16)[:args.num_prompts]
+        if args.max_tokens:
+            reqs = [dict(r, max_tokens=min(r["max_tokens"], args.max_tokens)) for r in reqs]
+            warm = [dict(r, max_tokens=min(r["max_tokens"], args.max_tokens)) for r in warm]
+        run(warm)
+        llm.reset_prefix_cache()
+        res, _ = run(reqs)
+    else:
+        rng = random.Random(0)
+        vocab = engine.vocab_size
+
+        def one():
+            return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.prompt_len)],
+                     "max_tokens": args.output_len}]
+        run(one())  # warm-up
+        res, step_s = run(one())
+        decode = step_s[1:]  # the first step computes the prompt
+        tpot = statistics.median(decode) * 1e3
+        floor = engine.weight_bytes / (args.bandwidth_gbs * 1e9) * 1e3
+        res.update(tpot_ms_median=round(tpot, 3), tpot_ms_mean=round(statistics.mean(decode) * 1e3, 3),
+                   weight_gb=round(engine.weight_bytes / 1e9, 3), bandwidth_floor_ms=round(floor, 3),
+                   tpot_over_floor=round(tpot / floor, 3))
+    result = {"case": args.case, "model": args.model, "dtype": args.dtype, "device": str(runner.device),
+              "attention": runner.attn_backend.name,
+              "gpu": torch.cuda.get_device_name(0) if cuda else None, **res}
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
