@@ -139,6 +139,20 @@ def test_default_model_bf16_logprobs_do_not_depend_on_the_batch():
     assert _differences(got) == []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["smollm2", "llama", "mixtral", "jamba"])
+def test_64_prompts_logprobs_do_not_depend_on_the_batch(tmp_path_factory, kind, dtype):
+    """The issue's full size: 64 prompts per model (the default suite runs 8-12)."""
+    if kind == "smollm2":
+        path, engine, prompts = None, SMOLLM2_ENGINE, random_prompts(64, 3, 80, 49152, seed=11)
+    else:
+        path = _tiny_path(tmp_path_factory, kind)
+        engine = JAMBA_ENGINE if kind == "jamba" else TINY_ENGINE
+        prompts = random_prompts(64, 3, 60, 256, seed=11)
+    assert _differences(_scenarios(path, dtype, prompts, engine)) == []
+
+
 @pytest.mark.parametrize("kind", ["llama"])
 def test_without_the_mode_the_batch_changes_logprobs(tmp_path_factory, kind):
     """The same comparison with batch_invariant=False finds differences (bf16: a decode alone takes the
