@@ -47,7 +47,8 @@ def predict(model: str, calibration: str, rates: list[float]) -> dict:
                                               (SERVE["output_len"],) * 2, 0)
     for rate in rates:
         reqs = workload.from_requests(serve_requests, rate, 1.0, 0)
-        s = report.summarize(simulate(profile, device, reqs, EngineSettings(max_model_len=SERVE["max_model_len"])))
+        settings = EngineSettings(max_model_len=SERVE["max_model_len"], served=True)  # under `tidal serve`
+        s = report.summarize(simulate(profile, device, reqs, settings))
         out[f"serve {rate:g} req/s"] = {
             "output_tok_s": s["output_throughput"], "mean_ttft_ms": s["mean_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
             "mean_tpot_ms": s["mean_tpot_ms"], "p99_tpot_ms": s["p99_tpot_ms"]}

@@ -80,6 +80,11 @@ def register(subparsers) -> None:
     c.add_argument("--contexts", type=int, nargs=2, default=[64, 1024], metavar=("SHORT", "LONG"))
     c.add_argument("--steps", type=int, default=20)
     c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--wide", type=int, default=64, help="the wide decode batch (per-request cost, shared prefix)")
+    c.add_argument("--serve-result", default=None,
+                   help="the JSON of a `tidal bench serve` run against `tidal serve` on this machine at a low rate "
+                        "(random dataset, as benchmarks/serve_sweep.py runs it): fits the server's cost per step")
+    c.add_argument("--serve-max-model-len", type=int, default=2048, help="the served engine's max_model_len")
     c.set_defaults(func=_calibrate)
 
 
