@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    e.add_argument("--served", action=argparse.BooleanOptionalAction, default=None,
+                   help="cost the server's own work per step (a calibration's serve_step_overhead): default on, "
+                        "off for --workload offline/shared_prefix (the offline engine)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=256)
     w.add_argument("--request-rate", type=float, default=float("inf"),
@@ -123,7 +126,8 @@ def run(args) -> int:
         return 2
     settings = EngineSettings(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size,
                               args.enable_prefix_caching, args.enable_chunked_prefill, args.gpu_memory_utilization,
-                              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                              served=args.workload is None if args.served is None else args.served)
 
     def at(rate: float) -> tuple[dict, object]:
         result = simulate(profile, device, build_requests(args, rate), settings)
