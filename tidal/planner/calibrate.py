@@ -142,8 +142,8 @@ class Measurements:
     shared: tuple[int, int] = (0, 0)  # the shared batch's (prefix, suffix) tokens
 
 
-def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024, 2048), batch: int = 8, contexts=(64, 1024),
-            steps: int = 20, repeats: int = 5, kv_cache_memory_bytes: int = 2**30, wide: int = 64) -> Measurements:
+def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024, 2048), batch: int = 16, contexts=(64, 1024),
+            steps: int = 30, repeats: int = 5, kv_cache_memory_bytes: int = 2**30, wide: int = 64) -> Measurements:
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
     short, long = contexts
@@ -227,26 +227,42 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
     return device, notes
 
 
-def fit_serve(profile: ModelProfile, device: Device, result: dict, max_model_len: int = 2048) -> float:
-    """The server's cost per step: a `tidal bench serve` result (random dataset) against the offline
-    simulation of the same requests; two passes, the second correcting for the queueing the first adds."""
+def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
+              max_model_len: int = 2048) -> tuple[float, float]:
+    """The server's cost per step and per request of a step, from `tidal bench serve` results (random
+    dataset) against the simulation of the same requests: each result's measured mean TPOT less the
+    simulated one, solved for the two figures (one result: the per-step figure alone) by a few
+    Newton steps on the simulated TPOTs (the queueing the costs add is simulated, not assumed)."""
+    import numpy as np
+
     from tidal.benchmarks import datasets
     from tidal.planner import report, workload
     from tidal.planner.simulator import EngineSettings, simulate
-    n = result["num_prompts"]
-    in_len, out_len = result["total_input_tokens"] // n, result["total_output_tokens"] // n
-    requests = workload.from_requests(datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, 0),
-                                      result["request_rate"], result.get("burstiness") or 1.0, 0)
-    overhead = 0.0
+    runs = []
+    for result in results:
+        n = result["num_prompts"]
+        in_len, out_len = result["total_input_tokens"] // n, result["total_output_tokens"] // n
+        runs.append((workload.from_requests(datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, 0),
+                                            result["request_rate"], result.get("burstiness") or 1.0, 0),
+                     result["mean_tpot_ms"] / 1e3))
+
+    def tpots(x: np.ndarray) -> np.ndarray:
+        device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
+        return np.array([report.summarize(simulate(profile, device, reqs, EngineSettings(
+            max_model_len=max_model_len, served=True)))["mean_tpot_ms"] / 1e3 for reqs, _ in runs])
+    target = np.array([t for _, t in runs])
+    k = 2 if len(runs) > 1 else 1
+    x = np.zeros(2)
     for _ in range(3):
-        device.serve_step_overhead = overhead
-        s = report.summarize(simulate(profile, device, requests,
-                                      EngineSettings(max_model_len=max_model_len, served=True)))
-        overhead = max(0.0, overhead + (result["mean_tpot_ms"] - s["mean_tpot_ms"]) / 1e3)
-    return overhead
+        y = tpots(x)
+        jac = np.stack([(tpots(x + d) - y) / d[i] for i, d in enumerate(np.eye(2)[:k] * 1e-3)], axis=1)
+        x[:k] += np.linalg.lstsq(jac, target - y, rcond=None)[0]
+        x = np.maximum(x, 0.0)
+    device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
+    return float(x[0]), float(x[1])
 
 
-def calibrate(model: str, serve_result: str | None = None, serve_max_model_len: int = 2048,
+def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model_len: int = 2048,
               measurements: Measurements | None = None, **kwargs) -> dict:
     """Measure (keyword arguments: measure's; or given measurements) and fit; returns the device file's
     contents."""
@@ -255,8 +271,11 @@ def calibrate(model: str, serve_result: str | None = None, serve_max_model_len: 
     profile = profile_model(model, dtype="bfloat16")
     device, notes = fit(profile, m)
     if serve_result:
-        with open(serve_result) as f:
-            device.serve_step_overhead = fit_serve(profile, device, json.load(f), serve_max_model_len)
+        results = []
+        for path in serve_result:
+            with open(path) as f:
+                results.append(json.load(f))
+        fit_serve(profile, device, results, serve_max_model_len)
     check = m.long // 2
     predicted_check = CostModel(profile, device).step_time(StepShape.of([(check, 0, True)]))
     keys = ("peak_flops", "memory_bandwidth", "attention_seconds_per_kv_byte", "attention_seconds_per_cached_kv_byte",
@@ -300,7 +319,8 @@ def main(args) -> int:
           f"{result['token_overhead'] * 1e6:.1f} us per token; attention on prompts "
           f"{(result['attention_flops'] or 0) / 1e9:.1f} GFLOP/s; repeated KV reads "
           f"{result['attention_seconds_per_cached_kv_byte'] * 1e12:.1f} ps per byte; served: "
-          f"{result['serve_step_overhead'] * 1e3:.2f} ms per step")
+          f"{result['serve_step_overhead'] * 1e3:.2f} ms per step + "
+          f"{result['serve_request_overhead'] * 1e6:.0f} us per request")
     check = result["measured"]["check_prefill_step_s"]
     print(f"check: a {check['tokens']}-token prefill step took {check['measured'] * 1e3:.1f} ms, predicted "
           f"{check['predicted'] * 1e3:.1f} ms")

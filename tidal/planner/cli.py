@@ -79,14 +79,15 @@ def register(subparsers) -> None:
     c.add_argument("--output", default="tidal-calibration.json")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048],
                    help="rows of the timed products (2048: the default step budget of tokens)")
-    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--batch", type=int, default=16, help="the batch timed at the short and the long context")
     c.add_argument("--contexts", type=int, nargs=2, default=[64, 1024], metavar=("SHORT", "LONG"))
-    c.add_argument("--steps", type=int, default=20)
+    c.add_argument("--steps", type=int, default=30)
     c.add_argument("--repeats", type=int, default=5)
     c.add_argument("--wide", type=int, default=64, help="the wide decode batch (per-request cost, shared prefix)")
-    c.add_argument("--serve-result", default=None,
-                   help="the JSON of a `tidal bench serve` run against `tidal serve` on this machine at a low rate "
-                        "(random dataset, as benchmarks/serve_sweep.py runs it): fits the server's cost per step")
+    c.add_argument("--serve-result", nargs="+", default=None,
+                   help="JSON of `tidal bench serve` runs against `tidal serve` on this machine (random dataset, as "
+                        "benchmarks/serve_sweep.py runs it): one low rate fits the server's cost per step; two "
+                        "rates (low and high) its cost per step and per request of a step")
     c.add_argument("--serve-max-model-len", type=int, default=2048, help="the served engine's max_model_len")
     c.set_defaults(func=_calibrate)
 
