@@ -1,7 +1,9 @@
 """The planner's predictions against measurements on this machine: `tidal plan`'s simulation (with a
 calibration file from `tidal plan calibrate`) beside the engine running the same requests.
 
-    python -m tidal.entrypoints.cli plan calibrate --output cpu.json      # first, on an idle machine
+    python benchmarks/serve_sweep.py --rates 0.5 6 --num-prompts 16      # first, on an idle machine: two served
+    #   rates (each rate's entry of the RESULT line saved as serve_0.5.json, serve_6.json) for the server's cost
+    python -m tidal.entrypoints.cli plan calibrate --output cpu.json --serve-result serve_0.5.json serve_6.json
     python benchmarks/planner_validation.py --calibration cpu.json        # predicts, measures, prints the table
     python benchmarks/planner_validation.py --calibration cpu.json --predict-only
 
@@ -10,7 +12,8 @@ Workloads (the benchmarks' own request sets and settings):
 - shared_prefix: `tidal bench throughput --workload shared_prefix` (64 requests, one 1024-token prefix + 64, 64 out);
 - serve at 2, 4 and 8 req/s: benchmarks/serve_sweep.py (`tidal serve`, then `tidal bench serve`: 32 requests of
   128 random tokens, 64 out, Poisson arrivals with seed 0, max_model_len 2048).
-Each row prints predicted, measured and the error (predicted / measured - 1).
+Each row prints predicted, measured and the error (predicted / measured - 1). The serve rows are simulated as
+served (the calibration's server cost per step and per request); offline and shared_prefix are not.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ def predict(model: str, calibration: str, rates: list[float]) -> dict:
                                               (SERVE["output_len"],) * 2, 0)
     for rate in rates:
         reqs = workload.from_requests(serve_requests, rate, 1.0, 0)
-        s = report.summarize(simulate(profile, device, reqs, EngineSettings(max_model_len=SERVE["max_model_len"])))
+        settings = EngineSettings(max_model_len=SERVE["max_model_len"], served=True)  # under `tidal serve`
+        s = report.summarize(simulate(profile, device, reqs, settings))
         out[f"serve {rate:g} req/s"] = {
             "output_tok_s": s["output_throughput"], "mean_ttft_ms": s["mean_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
             "mean_tpot_ms": s["mean_tpot_ms"], "p99_tpot_ms": s["p99_tpot_ms"]}

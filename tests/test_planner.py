@@ -217,20 +217,52 @@ def test_calibration_fit_recovers_the_figures_that_produced_the_steps(smollm2):
     truth.gemm_flops_by_rows, truth.memory_bandwidth = {1: 2e9, 64: 40e9, 1024: 80e9}, 2e9
     truth.peak_flops = {"bf16": 80e9, "fp32": 40e9, "int8": 160e9}
     truth.attention_seconds_per_kv_byte, truth.attention_flops = 4e-10, 20e9
+    truth.attention_seconds_per_cached_kv_byte = 2e-10  # bytes-bound: the fit takes the shared batch so
     truth.step_overhead, truth.request_overhead, truth.token_overhead = 2e-3, 60e-6, 5e-6
     cost = CostModel(smollm2, truth)
 
-    def t(requests):
-        return cost.step_time(StepShape.of(requests))
+    def t(requests, shared=0):
+        return cost.step_time(StepShape.of(requests, shared))
+    # 64 requests of a 960-token shared prefix and a 64-token suffix (+1 decoded): 63 of them re-read the prefix
     m = Measurements(truth.gemm_flops_by_rows, 2e9, 8, 64, 1024, t([(1, 64, True)]), t([(1, 64, True)] * 8),
-                     t([(1, 1024, True)] * 8), {n: t([(n, 0, True)]) for n in (1024, 256, 512)})
+                     t([(1, 1024, True)] * 8), 64, t([(1, 64, True)] * 64), t([(1, 1024, True)] * 64, 63 * 960),
+                     {n: t([(n, 0, True)]) for n in (1024, 256, 512)}, (960, 64))
     device, notes = fit(smollm2, m)
     assert notes == []
-    for name in ("attention_seconds_per_kv_byte", "attention_flops", "step_overhead", "request_overhead",
-                 "token_overhead"):
+    for name in ("attention_seconds_per_kv_byte", "attention_seconds_per_cached_kv_byte", "attention_flops",
+                 "step_overhead", "request_overhead", "token_overhead"):
         assert getattr(device, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     mixed = [(300, 0, True), (1, 700, True), (1, 40, True), (128, 512, False)]
     assert CostModel(smollm2, device).step_time(StepShape.of(mixed)) == pytest.approx(t(mixed), rel=1e-6)
+
+
+def test_shared_blocks_and_the_served_cost(smollm2):
+    """A step's KV tokens in blocks another request of it reads too are charged at the caches' rate, and a
+    served step adds the server's cost per step and per request."""
+    from tidal.core.kv_cache_manager import KVCacheManager
+    from tidal.core.scheduler import ScheduledRequest
+    from tidal.planner.simulator import _shared_kv_tokens
+    from tidal.request import Request
+    from tidal.sampling_params import SamplingParams
+    kv = KVCacheManager(64, 16, True)
+    prefix = list(range(40))
+    reqs = [Request(str(i), prefix + [100 + i] * 8, SamplingParams(max_tokens=4)) for i in range(3)]
+    for r in reqs:
+        blocks, n = kv.get_computed_blocks(r)
+        kv.allocate_slots(r, r.num_tokens - n, blocks)
+        r.num_computed_tokens = r.num_tokens
+    scheduled = [ScheduledRequest(r.request_id, 1, 48, True) for r in reqs]
+    shared = _shared_kv_tokens(kv, scheduled, 16)
+    assert shared == 2 * 2 * 16  # the prefix's two full blocks, re-read by the 2nd and 3rd requests
+    device = get_device("cpu")
+    device.attention_seconds_per_kv_byte, device.attention_seconds_per_cached_kv_byte = 4e-10, 1e-10
+    device.serve_step_overhead, device.serve_request_overhead = 5e-3, 1e-4
+    shape, alone = StepShape.of([(1, 48, True)] * 3, 64), StepShape.of([(1, 48, True)] * 3)
+    kvb = smollm2.kv_bytes_per_token
+    offline, served = CostModel(smollm2, device), CostModel(smollm2, device, served=True)
+    assert offline.breakdown(alone)["attention"] - offline.breakdown(shape)["attention"] == \
+        pytest.approx(64 * kvb * 3e-10, rel=1e-6)
+    assert served.step_time(shape) - offline.step_time(shape) == pytest.approx(5e-3 + 3e-4, rel=1e-6)
 
 
 def test_the_simulation_schedules_as_the_engine_does(tiny_model_dir):

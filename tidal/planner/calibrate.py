@@ -1,18 +1,26 @@
 """`tidal plan calibrate`: measure this machine for the planner and write the figures as a device file
 (JSON, read with `tidal plan --calibration FILE`).
 
-Everything is timed on the engine's own code with a real model (bf16):
+Everything is timed on the engine's own code with a real model (bf16), with greedy sampling as the
+benchmarks use:
 - GEMM rate at a few row counts M: one pass over every linear layer of the model (the products of one
   forward, on weights that do not stay in the caches), FLOPs 2 x M x parameters over the time; the
   one-row pass gives the memory bandwidth (weight bytes over its time);
 - attention per KV byte: whole engine decode steps of the same batch at a short and a long context,
   the difference over the KV bytes the longer context adds;
-- host overhead: engine decode steps of 1 and of B requests at the short context, less what the two
+- host overhead: engine decode steps of 1 and of a wide batch (64) at the short context, less what the
   figures above predict for them, split into a fixed part per step and a part per request;
+- repeated KV reads: decode steps of the wide batch at the long context, all but the short context of it a
+  shared prefix (the same cached blocks), less the same batch at the short context and the distinct
+  blocks' reads: the rest over the prefix's repeated reads is a time per KV byte read from the caches;
 - prompts: engine steps computing a whole fresh prompt of the long context and of a quarter of it, less
   what the figures above predict for their linear layers, give a cost per token (elementwise layers,
   inputs) and attention's FLOP rate on prompts.
 A prompt of half the long context is then timed and predicted, as a check of figures not fitted on it.
+- serving (optional, --serve-result): a `tidal bench serve` run at a low rate against `tidal serve` on this
+  machine; the same requests are simulated offline with the figures above, and the measured mean TPOT's
+  excess over the simulated one is the server's cost per engine step (HTTP, detokenization and streaming
+  share the host with the engine), applied when a plan is for a served workload.
 
     tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --output cpu.json
 """
@@ -70,16 +78,20 @@ class _Steps:
     def __init__(self, engine) -> None:
         self.engine, self.counter = engine, 0
 
-    def _add(self, batch: int, context: int, max_tokens: int) -> list[str]:
+    def _add(self, batch: int, context: int, max_tokens: int, prefix: int = 0) -> list[str]:
+        """batch requests of `context` random tokens, the first `prefix` of them the same for all."""
         from tidal.sampling_params import SamplingParams
         ids = []
+        g = torch.Generator().manual_seed(10**6 + self.counter)
+        shared = torch.randint(0, self.engine.vocab_size, (prefix,), generator=g).tolist()
         for _ in range(batch):
             self.counter += 1
             g = torch.Generator().manual_seed(self.counter)
-            prompt = torch.randint(0, self.engine.vocab_size, (context,), generator=g).tolist()
+            prompt = shared + torch.randint(0, self.engine.vocab_size, (context - prefix,), generator=g).tolist()
             rid = f"calibrate-{self.counter}"
-            # detokenized, as the benchmarks' requests are, when the model has a tokenizer
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+            # greedy and detokenized, as the benchmarks' requests are (random sampling adds elementwise work
+            # over the whole vocabulary per sampled row: ~0.35 ms a row for SmolLM2 on a 2-core CPU)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                     detokenize=self.engine.tokenizer is not None)
             self.engine.add_request(rid, prompt, params)
             ids.append(rid)
@@ -97,9 +109,9 @@ class _Steps:
         self.engine.reset_prefix_cache()
         return statistics.median(times)
 
-    def decode_step_time(self, batch: int, context: int, steps: int) -> float:
+    def decode_step_time(self, batch: int, context: int, steps: int, prefix: int = 0) -> float:
         e = self.engine
-        ids = self._add(batch, context, steps + 8)
+        ids = self._add(batch, context, steps + 8, prefix)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in e.scheduler.requests.values()):
             e.step()  # the prompts' prefill: not timed
         times = []
@@ -123,25 +135,32 @@ class Measurements:
     decode_one: float          # one request at the short context
     decode_short: float        # `batch` requests at the short context
     decode_long: float         # `batch` requests at the long context
+    wide: int                  # a wide batch at the short context: the per-request cost
+    decode_wide: float
+    decode_shared: float       # `wide` requests of a shared prefix and a distinct suffix
     prefill: dict[int, float]  # a whole fresh prompt of n tokens: long, long // 4 (fitted) and long // 2 (check)
+    shared: tuple[int, int] = (0, 0)  # the shared batch's (prefix, suffix) tokens
 
 
-def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024, 2048), batch: int = 8, contexts=(64, 1024),
-            steps: int = 20, repeats: int = 5, kv_cache_memory_bytes: int = 2**30) -> Measurements:
+def measure(model: str, *, rows=(1, 4, 16, 64, 256, 1024, 2048), batch: int = 16, contexts=(64, 1024),
+            steps: int = 30, repeats: int = 5, kv_cache_memory_bytes: int = 2**30, wide: int = 64) -> Measurements:
     from tidal.config import EngineConfig
     from tidal.engine.llm_engine import LLMEngine
     short, long = contexts
     if not 1 <= short < long or batch < 1:
         raise ValueError(f"contexts must be 1 <= SHORT < LONG and batch >= 1, got {contexts}, {batch}")
     engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device="cpu", max_model_len=long + steps + 16,
-                                    max_num_seqs=batch, max_num_batched_tokens=max(2048, long),
+                                    max_num_seqs=max(batch, wide), max_num_batched_tokens=max(2048, long),
                                     kv_cache_memory_bytes=kv_cache_memory_bytes))
     try:
         rates, bandwidth = gemm_rates(engine.runner.model, list(rows), torch.bfloat16, repeats)
         timer = _Steps(engine)
         return Measurements(rates, bandwidth, batch, short, long, timer.decode_step_time(1, short, steps),
                             timer.decode_step_time(batch, short, steps), timer.decode_step_time(batch, long, steps),
-                            {n: timer.prefill_step_time(n, repeats) for n in (long, long // 4, long // 2)})
+                            wide, timer.decode_step_time(wide, short, steps),
+                            timer.decode_step_time(wide, long, steps, prefix=long - short),
+                            {n: timer.prefill_step_time(n, repeats) for n in (long, long // 4, long // 2)},
+                            (long - short, short))
     finally:
         engine.shutdown()
 
@@ -169,9 +188,11 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
         return sum(v for k, v in parts.items() if k != without)
 
     # decodes: what is left beyond the predicted work is a fixed part per step and a part per request
+    # (a wide batch: at a few rows the products are bound by the weights' bytes, and the GEMM rate
+    # interpolated between measured row counts is least exact there)
     residual_one = m.decode_one - predicted([(1, m.short, True)])
-    residual_batch = m.decode_short - predicted([(1, m.short, True)] * m.batch)
-    request = max(0.0, (residual_batch - residual_one) / (m.batch - 1)) if m.batch > 1 else 0.0
+    residual_wide = m.decode_wide - predicted([(1, m.short, True)] * m.wide)
+    request = max(0.0, (residual_wide - residual_one) / (m.wide - 1)) if m.wide > 1 else 0.0
     if residual_one < 0:
         notes.append("a one-request decode step ran faster than its predicted compute: step overhead set to 0")
     device.step_overhead, device.request_overhead = max(0.0, residual_one - request), request
@@ -191,19 +212,75 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
     # a decode step has one token per request: the per-request figure fitted on decodes already held it
     device.token_overhead, device.request_overhead = per_token, max(0.0, request - per_token)
     device.attention_flops = 1 / per_flop if per_flop > 0 else None
+    # a shared prefix: beyond the same batch at the short context, the distinct blocks at the memory rate, the
+    # prefix's repeated reads (wide - 1 readers after the first) at the caches' rate
+    prefix, suffix = m.shared
+    distinct_kv = (prefix + m.wide * (suffix + 1)) * profile.kv_bytes_per_token
+    repeated_kv = (m.wide - 1) * prefix * profile.kv_bytes_per_token
+    extra = m.decode_shared - m.decode_wide - distinct_kv * per_kv_byte \
+        + m.wide * (m.short + 1) * profile.kv_bytes_per_token * per_kv_byte  # the short batch's own reads
+    if extra > 0 and repeated_kv:
+        device.attention_seconds_per_cached_kv_byte = min(per_kv_byte, extra / repeated_kv)
+    else:
+        notes.append("a batch sharing a prefix was not slower than one without: repeated KV reads taken as free")
+        device.attention_seconds_per_cached_kv_byte = 0.0
     return device, notes
 
 
-def calibrate(model: str, **kwargs) -> dict:
-    """Measure (keyword arguments: measure's) and fit; returns the device file's contents."""
+def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
+              max_model_len: int = 2048) -> tuple[float, float]:
+    """The server's cost per step and per request of a step, from `tidal bench serve` results (random
+    dataset) against the simulation of the same requests: each result's measured mean TPOT less the
+    simulated one, solved for the two figures (one result: the per-step figure alone) by a few
+    Newton steps on the simulated TPOTs (the queueing the costs add is simulated, not assumed)."""
+    import numpy as np
+
+    from tidal.benchmarks import datasets
+    from tidal.planner import report, workload
+    from tidal.planner.simulator import EngineSettings, simulate
+    runs = []
+    for result in results:
+        n = result["num_prompts"]
+        in_len, out_len = result["total_input_tokens"] // n, result["total_output_tokens"] // n
+        runs.append((workload.from_requests(datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, 0),
+                                            result["request_rate"], result.get("burstiness") or 1.0, 0),
+                     result["mean_tpot_ms"] / 1e3))
+
+    def tpots(x: np.ndarray) -> np.ndarray:
+        device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
+        return np.array([report.summarize(simulate(profile, device, reqs, EngineSettings(
+            max_model_len=max_model_len, served=True)))["mean_tpot_ms"] / 1e3 for reqs, _ in runs])
+    target = np.array([t for _, t in runs])
+    k = 2 if len(runs) > 1 else 1
+    x = np.zeros(2)
+    for _ in range(3):
+        y = tpots(x)
+        jac = np.stack([(tpots(x + d) - y) / d[i] for i, d in enumerate(np.eye(2)[:k] * 1e-3)], axis=1)
+        x[:k] += np.linalg.lstsq(jac, target - y, rcond=None)[0]
+        x = np.maximum(x, 0.0)
+    device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
+    return float(x[0]), float(x[1])
+
+
+def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model_len: int = 2048,
+              measurements: Measurements | None = None, **kwargs) -> dict:
+    """Measure (keyword arguments: measure's; or given measurements) and fit; returns the device file's
+    contents."""
     from tidal.worker.memory import cache_budget_bytes
-    m = measure(model, **kwargs)
+    m = measurements or measure(model, **kwargs)
     profile = profile_model(model, dtype="bfloat16")
     device, notes = fit(profile, m)
+    if serve_result:
+        results = []
+        for path in serve_result:
+            with open(path) as f:
+                results.append(json.load(f))
+        fit_serve(profile, device, results, serve_max_model_len)
     check = m.long // 2
     predicted_check = CostModel(profile, device).step_time(StepShape.of([(check, 0, True)]))
-    keys = ("peak_flops", "memory_bandwidth", "attention_seconds_per_kv_byte", "attention_flops", "step_overhead",
-            "layer_overhead", "request_overhead", "token_overhead")
+    keys = ("peak_flops", "memory_bandwidth", "attention_seconds_per_kv_byte", "attention_seconds_per_cached_kv_byte",
+            "attention_flops", "step_overhead",
+            "layer_overhead", "request_overhead", "token_overhead", "serve_step_overhead", "serve_request_overhead")
     return {
         "base": "cpu", "name": f"cpu ({platform.node()}, {torch.get_num_threads()} threads)",
         "memory_bytes": _memory_bytes(), **{k: getattr(device, k) for k in keys},
@@ -212,7 +289,8 @@ def calibrate(model: str, **kwargs) -> dict:
         "measured": {"model": model, "threads": torch.get_num_threads(), "batch": m.batch,
                      "contexts": [m.short, m.long],
                      "decode_step_s": {f"1x{m.short}": m.decode_one, f"{m.batch}x{m.short}": m.decode_short,
-                                       f"{m.batch}x{m.long}": m.decode_long},
+                                       f"{m.batch}x{m.long}": m.decode_long, f"{m.wide}x{m.short}": m.decode_wide,
+                                       f"{m.wide}x{m.shared[0]}+{m.shared[1]} sharing {m.shared[0]}": m.decode_shared},
                      "prefill_step_s": {str(n): t for n, t in m.prefill.items()},
                      # how well the fitted figures predict a step they were not fitted on
                      "check_prefill_step_s": {"tokens": check, "measured": m.prefill[check],
@@ -230,7 +308,8 @@ def _memory_bytes() -> int:
 def main(args) -> int:
     model = os.path.expanduser(args.model)
     result = calibrate(model, rows=args.rows, batch=args.batch, contexts=tuple(args.contexts), steps=args.steps,
-                       repeats=args.repeats)
+                       repeats=args.repeats, wide=args.wide, serve_result=args.serve_result,
+                       serve_max_model_len=args.serve_max_model_len)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=2)
     rates = ", ".join(f"M={k}: {v / 1e9:.1f}" for k, v in result["gemm_flops_by_rows"].items())
@@ -238,7 +317,10 @@ def main(args) -> int:
           f"{result['attention_seconds_per_kv_byte'] * 1e12:.1f} ps per KV byte; step overhead "
           f"{result['step_overhead'] * 1e3:.2f} ms + {result['request_overhead'] * 1e6:.0f} us per request + "
           f"{result['token_overhead'] * 1e6:.1f} us per token; attention on prompts "
-          f"{(result['attention_flops'] or 0) / 1e9:.1f} GFLOP/s")
+          f"{(result['attention_flops'] or 0) / 1e9:.1f} GFLOP/s; repeated KV reads "
+          f"{result['attention_seconds_per_cached_kv_byte'] * 1e12:.1f} ps per byte; served: "
+          f"{result['serve_step_overhead'] * 1e3:.2f} ms per step + "
+          f"{result['serve_request_overhead'] * 1e6:.0f} us per request")
     check = result["measured"]["check_prefill_step_s"]
     print(f"check: a {check['tokens']}-token prefill step took {check['measured'] * 1e3:.1f} ms, predicted "
           f"{check['predicted'] * 1e3:.1f} ms")

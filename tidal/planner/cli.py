@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    e.add_argument("--served", action=argparse.BooleanOptionalAction, default=None,
+                   help="cost the server's own work per step (a calibration's serve_step_overhead): default on, "
+                        "off for --workload offline/shared_prefix (the offline engine)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=256)
     w.add_argument("--request-rate", type=float, default=float("inf"),
@@ -76,10 +79,16 @@ def register(subparsers) -> None:
     c.add_argument("--output", default="tidal-calibration.json")
     c.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048],
                    help="rows of the timed products (2048: the default step budget of tokens)")
-    c.add_argument("--batch", type=int, default=8)
+    c.add_argument("--batch", type=int, default=16, help="the batch timed at the short and the long context")
     c.add_argument("--contexts", type=int, nargs=2, default=[64, 1024], metavar=("SHORT", "LONG"))
-    c.add_argument("--steps", type=int, default=20)
+    c.add_argument("--steps", type=int, default=30)
     c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--wide", type=int, default=64, help="the wide decode batch (per-request cost, shared prefix)")
+    c.add_argument("--serve-result", nargs="+", default=None,
+                   help="JSON of `tidal bench serve` runs against `tidal serve` on this machine (random dataset, as "
+                        "benchmarks/serve_sweep.py runs it): one low rate fits the server's cost per step; two "
+                        "rates (low and high) its cost per step and per request of a step")
+    c.add_argument("--serve-max-model-len", type=int, default=2048, help="the served engine's max_model_len")
     c.set_defaults(func=_calibrate)
 
 
@@ -118,7 +127,8 @@ def run(args) -> int:
         return 2
     settings = EngineSettings(args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size,
                               args.enable_prefix_caching, args.enable_chunked_prefill, args.gpu_memory_utilization,
-                              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                              served=args.workload is None if args.served is None else args.served)
 
     def at(rate: float) -> tuple[dict, object]:
         result = simulate(profile, device, build_requests(args, rate), settings)

@@ -31,9 +31,13 @@ class Device:
     layer_overhead: float = 40e-6
     request_overhead: float = 20e-6
     token_overhead: float = 0.0          # per token of the step: elementwise work and inputs (measured on CPU)
+    # under `tidal serve`: the server's own work (HTTP, detokenization, streaming) per step and per request
+    serve_step_overhead: float = 0.0
+    serve_request_overhead: float = 0.0
     # measured (calibration file): achieved GEMM FLOP/s at a number of rows, and attention time per KV byte read
     gemm_flops_by_rows: dict[int, float] = field(default_factory=dict)
     attention_seconds_per_kv_byte: float | None = None
+    attention_seconds_per_cached_kv_byte: float | None = None  # a block another request of the step read
     attention_flops: float | None = None  # achieved FLOP/s of attention's query-key products (prompts); None: GEMM peak
     kv_cache_memory_bytes: float | None = None  # the engine's cache budget where it is fixed (CPU: 4 GiB)
     source: str = "table"

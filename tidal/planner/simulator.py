@@ -41,6 +41,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.9
     activation_reserve: float = 4e9        # bytes per device kept for activations (GPUs)
     kv_cache_memory_bytes: int | None = None
+    served: bool = False                   # under `tidal serve` (the server's per-step cost), not offline
 
     def step_budget(self, max_model_len: int) -> int:
         """The engine's rule (LLMEngine._max_num_batched_tokens)."""
@@ -115,6 +116,21 @@ def _sampled_token(request: Request) -> int:
     return (int(request.request_id) * 7919 + request.num_tokens) % 256
 
 
+def _shared_kv_tokens(kv: KVCacheManager, scheduled, block_size: int) -> int:
+    """KV tokens the step's attention reads from a block another request of the step reads too (the
+    same physical block: a cached prefix), counted from the second reader on."""
+    seen: set[int] = set()
+    shared = 0
+    for sr in scheduled:
+        end = sr.start_pos + sr.num_tokens
+        for j, block in enumerate(kv.get_block_ids(sr.request_id)[:-(-end // block_size)]):
+            if block in seen:
+                shared += min(block_size, end - j * block_size)
+            else:
+                seen.add(block)
+    return shared
+
+
 def simulate(model: ModelProfile, device: Device, requests: list[SimRequest],
              settings: EngineSettings | None = None) -> SimResult:
     settings = settings or EngineSettings()
@@ -134,7 +150,7 @@ def simulate(model: ModelProfile, device: Device, requests: list[SimRequest],
     scheduler = Scheduler(kv, settings.max_num_seqs, settings.step_budget(max_model_len), max_model_len,
                           state_pool=pool, state_checkpoints=checkpoints,
                           enable_chunked_prefill=settings.enable_chunked_prefill)
-    cost = CostModel(model, device)
+    cost = CostModel(model, device, settings.served)
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
     records = [RequestRecord(r.arrival_time, len(r.prompt_token_ids), r.max_tokens) for r in requests]
     live: dict[str, Request] = {}
@@ -160,7 +176,8 @@ def simulate(model: ModelProfile, device: Device, requests: list[SimRequest],
                     now = max(now, requests[order[nxt]].arrival_time)
                     continue
                 raise RuntimeError("the scheduler can run none of the waiting requests")
-            shape = StepShape.of([(sr.num_tokens, sr.start_pos, sr.sample) for sr in batch.scheduled])
+            shape = StepShape.of([(sr.num_tokens, sr.start_pos, sr.sample) for sr in batch.scheduled],
+                                 _shared_kv_tokens(kv, batch.scheduled, settings.block_size))
             dt = cost.step_time(shape)
             now += dt
             result.busy_time += dt
