@@ -6,7 +6,10 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health,
 /version, /metrics. Every error is OpenAI's JSON error body; with an API key set, every route
 but /health needs `Authorization: Bearer <key>`. A non-streaming request whose client
-disconnects is cancelled (and its engine request aborted) like a streaming one.
+disconnects is cancelled (and its engine request aborted) like a streaming one; a streaming one is
+watched for a disconnect even while no token comes (waiting in the queue, computing its prompt).
+With `max_waiting_requests` set on the AsyncLLM, a request that finds the queue full gets 503 with
+`Retry-After` instead of queueing.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 import tidal
 from tidal.engine.async_llm import AsyncLLM
@@ -56,17 +60,20 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param or 'body'}: {first.get('msg')} (got {first.get('input')!r})", param)
 
 
-async def _until_disconnected(request: Request) -> None:
+RETRY_AFTER_S = 1  # what an overloaded server asks clients to wait before trying again
+
+
+async def _until_disconnected(receive: Receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
 
-async def _cancel_on_disconnect(request: Request, coro):
+async def _cancel_on_disconnect(receive: Receive, coro):
     """Run coro; if the client goes away first, cancel it (which aborts its engine requests)."""
     work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_until_disconnected(request))
+    watch = asyncio.ensure_future(_until_disconnected(receive))
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
@@ -76,6 +83,20 @@ async def _cancel_on_disconnect(request: Request, coro):
         return None
     finally:
         watch.cancel()
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """A stream of engine outputs that ends as soon as the client goes away, even while nothing is being
+    sent (starlette only notices on the next send), and always closes its body: that aborts the engine
+    requests behind it at once instead of whenever the generator is garbage-collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _cancel_on_disconnect(receive, self.stream_response(send))
+        except OSError:  # the client went away during a send
+            pass
+        finally:
+            await self.body_iterator.aclose()
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
@@ -119,16 +140,21 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
             return await call_next(request)
 
     async def _respond(request: Request, handler, body):
+        if async_llm.is_overloaded:
+            return JSONResponse(error_body(503, f"The server is overloaded: {async_llm.num_waiting} requests are "
+                                                f"waiting (--max-waiting-requests {async_llm.max_waiting_requests})."
+                                                f" Retry after {RETRY_AFTER_S} s.", None, "overloaded"),
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            result = await _cancel_on_disconnect(request, handler.create(body))
+            result = await _cancel_on_disconnect(request.receive, handler.create(body))
         except APIError as e:
             return _error_response(e)
         if result is None:  # client gone
             return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EngineStreamingResponse(result, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():
