@@ -52,7 +52,12 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3  # a model that fails every step (e.g. a broke
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can be served any more."""
+    """The engine loop failed (or is shutting down); no request can be served any more. `in_flight`: raised to
+    a request the engine was serving when it failed (for the server, a 500 rather than a 503)."""
+
+    def __init__(self, message: str, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 @dataclass
@@ -249,7 +254,7 @@ class AsyncLLM:
         except BaseException as e:
             logger.exception("Engine loop failed; failing all requests")
             self._dead = e
-            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
+            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}", in_flight=True))
             try:
                 engine.shutdown()  # stop the workers left (a failed executor has already)
             except Exception:  # noqa: BLE001 - already dying; the first error is the one to report

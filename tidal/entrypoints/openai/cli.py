@@ -113,7 +113,7 @@ def run_server(args: argparse.Namespace) -> int:
                 plan.num_tokens, plan.num_blocks, plan.block_size, plan.num_bytes / 2**20,
                 ", API key required" if args.api_key else "")
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                               timeout_graceful_shutdown=args.shutdown_timeout + 5)
     server = _server_class()(uv_config, async_llm, args.shutdown_timeout)
     async_llm.on_dead = server.engine_died
     try:

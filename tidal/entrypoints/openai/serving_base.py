@@ -47,6 +47,8 @@ def bad_request(error: ValueError, default_param: str | None = None) -> APIError
 
 def engine_error(error: BaseException) -> APIError:
     if isinstance(error, EngineDeadError):
+        if error.in_flight:  # the engine failed while serving this request
+            return APIError(500, f"the engine failed while serving this request: {error}")
         return APIError(503, f"the engine is not running: {error}")
     return APIError(500, f"internal error: {error!r}")
 
@@ -85,7 +87,9 @@ class ServingContext:
 
     def check_alive(self) -> None:
         if not self.async_llm.is_running:
-            raise engine_error(self.async_llm.dead_error or EngineDeadError("the engine is shutting down"))
+            dead = self.async_llm.dead_error
+            raise engine_error(EngineDeadError(f"the engine loop failed: {dead!r}" if dead is not None
+                                               else "the server is shutting down"))
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> int:
         """The request's max_tokens, checked against the context length (None: all the room left)."""
