@@ -184,7 +184,7 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}") from self._dead
         if self._stopping or self._drain_deadline is not None:
-            raise EngineDeadError("the server is shutting down")
+            raise EngineDeadError("the engine is shutting down: it accepts no new requests")
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -219,17 +219,20 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self.engine
         failures = 0  # steps failed in a row
+        drained = False  # drain()'s deadline has passed and the requests left were aborted
         try:
             while not self._stopping:
                 self._wakeup.clear()
                 aborted = self._apply_commands()
-                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                draining = not drained and self._drain_deadline is not None
+                if draining and time.monotonic() >= self._drain_deadline:
+                    drained, draining = True, False
                     aborted += self._abort_open_streams()
                 if not engine.has_unfinished_requests():
                     self._hook(aborted)
                     engine.check_health()  # a worker that died while nothing ran
                     wait = self.idle_wait_s
-                    if self._drain_deadline is not None and self._streams:
+                    if draining and self._streams:
                         wait = min(wait, max(0.0, self._drain_deadline - time.monotonic()))
                     self._wakeup.wait(wait)
                     continue
