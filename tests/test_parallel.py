@@ -331,6 +331,30 @@ def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
 
 
 # -- the server -----------------------------------------------------------------------------------------
+def test_worker_killed_while_the_engine_is_idle_marks_it_dead_within_seconds(tmp_path_factory):
+    """Nothing runs, so no step notices: the idle engine loop looks at its workers every second."""
+    import threading
+
+    from tidal.config import EngineConfig
+    from tidal.engine.async_llm import AsyncLLM
+    from tidal.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=_model(tmp_path_factory, "idle"), tensor_parallel_size=2, **ENGINE))
+    died = threading.Event()
+    async_llm = AsyncLLM(engine)
+    async_llm.on_dead = lambda error: died.set()
+    pids = list(engine.executor.pids)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        assert died.wait(30)
+        assert time.monotonic() - t0 < 5
+        assert not async_llm.is_running and "died" in str(async_llm.dead_error)
+        assert _all_gone(pids), "the surviving worker was not stopped"
+    finally:
+        async_llm.shutdown()
+        engine.shutdown()
+
+
 def test_server_exits_1_within_seconds_when_a_worker_dies_leaving_no_process_or_segment(tmp_path_factory):
     """A killed worker while a request streams: the request ends with an error event (no hang), the server
     stops with exit status 1 (for a supervisor to restart it) in under 5 s, and neither a process nor a
