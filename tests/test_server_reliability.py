@@ -250,6 +250,28 @@ def test_fault_that_breaks_the_engine_state_marks_it_dead(tiny_model_dir, monkey
         assert len(died) == 1 and "injected fault" in str(died[0])
 
 
+def test_draining_server_refuses_new_requests_and_health_while_in_flight_ones_finish(tiny_model_dir):
+    with serving(tiny_model_dir("llama")) as (base, async_llm):
+        gate = Gate(async_llm.engine)
+        gate.close()
+
+        async def main():
+            async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as client:
+                in_flight = asyncio.ensure_future(client.post("/v1/completions", json=_body([5, 6, 7], 8)))
+                await asyncio.to_thread(gate.entered.wait, TIMEOUT)
+                async_llm.drain(TIMEOUT)  # what SIGTERM does first
+                health = await client.get("/health")
+                refused = await client.post("/v1/completions", json=_body([5, 6, 7], 8))
+                gate.opened.set()
+                return health, refused, await in_flight
+
+        health, refused, done = asyncio.run(main())
+        assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert done.status_code == 200 and len(_token_ids(done.json()["choices"][0])) == 8
+        assert_engine_idle(async_llm.engine)
+
+
 # -- shutdown (a real `tidal serve`) ---------------------------------------------------------------------
 def _serve(model_dir: str, log_path, *args: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()

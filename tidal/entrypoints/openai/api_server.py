@@ -159,8 +159,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     @app.get("/health")
     async def health():
         if not async_llm.is_running:
-            return JSONResponse(error_body(503, f"the engine is not running: {async_llm.dead_error!r}"),
-                                status_code=503)
+            why = "the server is shutting down" if async_llm.dead_error is None else repr(async_llm.dead_error)
+            return JSONResponse(error_body(503, f"the engine is not running: {why}"), status_code=503)
         check = getattr(async_llm.engine, "check_health", None)
         try:
             if check is not None:

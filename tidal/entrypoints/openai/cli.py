@@ -116,6 +116,8 @@ def run_server(args: argparse.Namespace) -> int:
                                timeout_graceful_shutdown=args.shutdown_timeout + 5)
     server = _server_class()(uv_config, async_llm, args.shutdown_timeout)
     async_llm.on_dead = server.engine_died
+    if async_llm.dead_error is not None:  # died before it could tell
+        server.engine_died(async_llm.dead_error)
     try:
         server.run()
     finally:
