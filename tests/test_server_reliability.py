@@ -390,3 +390,15 @@ def test_200_streaming_clients_with_random_disconnects_on_a_small_kv_budget(tiny
               f"{async_llm.engine.stats.num_preemptions}, RSS after each round (MB): {[r >> 20 for r in rss]}")
         if rounds > 1:
             assert rss[-1] < 1.05 * rss[0]
+
+
+@pytest.mark.parametrize("argv, message", [(["--max-waiting-requests", "0"], "--max-waiting-requests must be >= 1"),
+                                           (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
+                                           (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0")])
+def test_serve_refuses_bad_overload_and_shutdown_flags(argv, message):
+    import argparse
+
+    from tidal.entrypoints.openai.cli import _validate, add_server_args
+    args = add_server_args(argparse.ArgumentParser()).parse_args(argv)
+    with pytest.raises(SystemExit, match=message):
+        _validate(args)
