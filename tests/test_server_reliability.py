@@ -216,6 +216,37 @@ def test_client_that_goes_away_is_aborted_within_a_step_and_others_are_unchanged
 
 
 # -- faults ------------------------------------------------------------------------------------------------
+def test_failed_step_aborts_its_requests_and_its_blocks_leave_the_prefix_cache(tiny_model_dir):
+    """The blocks a failed step filled are hashed but hold no valid KV: a later request with the same
+    prompt must compute it again, not read them."""
+    from tidal.engine.llm_engine import StepError
+    path = tiny_model_dir("llama")
+    prompt = list(range(5, 45))  # two full blocks of 16, cached when allocated
+    (expected,), _ = _offline(path, [prompt], 8)
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory_bytes=4 << 20,
+                                    max_model_len=MAX_MODEL_LEN))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("victim", {"prompt_token_ids": prompt}, params)
+    working = engine.runner.execute
+
+    def failing(batch):
+        raise RuntimeError("simulated kernel failure")
+    engine.runner.execute = failing
+    with pytest.raises(StepError, match=r"RuntimeError: simulated kernel failure\); its 1 request") as failed:
+        engine.step()
+    assert failed.value.request_ids == ["victim"]
+    assert [o.outputs[0].finish_reason for o in failed.value.outputs] == ["abort"]
+    assert engine.kv_manager.pool.num_cached_blocks == 0
+    assert_engine_idle(engine)
+    engine.runner.execute = working
+    engine.add_request("again", {"prompt_token_ids": prompt}, params)
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.outputs[0].token_ids]
+    assert tokens == expected
+    engine.shutdown()
+
+
 def test_fault_in_a_step_fails_its_requests_with_500_and_the_engine_serves_on(tiny_model_dir, monkeypatch):
     path = tiny_model_dir("llama")
     expected, _ = _offline(path, [[5, 6, 7]], 8)
