@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError
+from tidal.engine.llm_engine import StepError
 
 logger = logging.getLogger("tidal.entrypoints.openai")
 
@@ -50,6 +51,8 @@ def engine_error(error: BaseException) -> APIError:
         if error.in_flight:  # the engine failed while serving this request
             return APIError(500, f"the engine failed while serving this request: {error}")
         return APIError(503, f"the engine is not running: {error}")
+    if isinstance(error, StepError):  # already says what failed and that the request was aborted
+        return APIError(500, str(error))
     return APIError(500, f"internal error: {error!r}")
 
 
