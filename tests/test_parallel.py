@@ -331,10 +331,39 @@ def test_tp2_hybrid_and_moe_models_match_single_process(kind, tmp_path_factory):
 
 
 # -- the server -----------------------------------------------------------------------------------------
-def test_server_health_turns_unhealthy_when_a_worker_dies_and_stop_leaves_no_process(tmp_path_factory):
+def test_worker_killed_while_the_engine_is_idle_marks_it_dead_within_seconds(tmp_path_factory):
+    """Nothing runs, so no step notices: the idle engine loop looks at its workers every second."""
+    import threading
+
+    from tidal.config import EngineConfig
+    from tidal.engine.async_llm import AsyncLLM
+    from tidal.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=_model(tmp_path_factory, "idle"), tensor_parallel_size=2, **ENGINE))
+    died = threading.Event()
+    async_llm = AsyncLLM(engine)
+    async_llm.on_dead = lambda error: died.set()
+    pids = list(engine.executor.pids)
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        assert died.wait(30)
+        assert time.monotonic() - t0 < 5
+        assert not async_llm.is_running and "died" in str(async_llm.dead_error)
+        assert _all_gone(pids), "the surviving worker was not stopped"
+    finally:
+        async_llm.shutdown()
+        engine.shutdown()
+
+
+def test_server_exits_1_within_seconds_when_a_worker_dies_leaving_no_process_or_segment(tmp_path_factory):
+    """A killed worker while a request streams: the request ends with an error event (no hang), the server
+    stops with exit status 1 (for a supervisor to restart it) in under 5 s, and neither a process nor a
+    shared-memory segment outlives it."""
+    import json
     import socket
     import subprocess
     import sys
+    import threading
 
     import httpx
     path = _model(tmp_path_factory, "served")
@@ -343,10 +372,20 @@ def test_server_health_turns_unhealthy_when_a_worker_dies_and_stop_leaves_no_pro
         port = s.getsockname()[1]
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "tidal.entrypoints.cli", "serve", path, "--host", "127.0.0.1", "--port", str(port),
-           "-tp", "2", "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_BYTES), "--uvicorn-log-level", "warning"]
+           "-tp", "2", "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_BYTES), "--served-model-name", "tiny",
+           "--uvicorn-log-level", "warning"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    base, pids = f"http://127.0.0.1:{port}", []
+    base, pids, events, started = f"http://127.0.0.1:{port}", [], [], threading.Event()
+
+    def stream():
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    started.set()
+
     try:
         deadline = time.monotonic() + 180
         while True:  # readiness: poll /health until the server answers (or dies)
@@ -362,19 +401,23 @@ def test_server_health_turns_unhealthy_when_a_worker_dies_and_stop_leaves_no_pro
                    if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
         assert len(workers) == 2, [p.cmdline() for p in workers]
         pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        client = threading.Thread(target=stream)
+        client.start()
+        assert started.wait(60), log_path.read_text()[-4000:]
         workers[1].kill()
         t0 = time.monotonic()
-        while (r := httpx.get(f"{base}/health", timeout=5)).status_code == 200 and time.monotonic() - t0 < 10:
-            time.sleep(0.1)  # the kill is asynchronous: poll until the server notices
-        assert r.status_code == 503 and "died" in r.text, r.text
+        assert proc.wait(30) == 1, log_path.read_text()[-4000:]
+        assert time.monotonic() - t0 < 5
+        client.join(60)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and "died" in error["message"], error
     assert _all_gone(pids), "worker processes outlived the server"
+    assert [p for pid in pids for p in glob.glob(f"/dev/shm/tidal-allreduce-{pid}-*")] == []
 
 
 def test_jamba_large_estimate_runs_on_the_meta_device():

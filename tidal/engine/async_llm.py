@@ -15,28 +15,49 @@ Each request gets its own stream of delta RequestOutputs:
 
 Leaving the `async for` early (a client that disconnected, a cancelled task) aborts the request;
 the engine thread applies the abort before its next step, so the request's blocks are free
-within one step. If the engine fails, every open stream and every later call raises
-EngineDeadError instead of hanging.
+within one step.
+
+Faults: if the model fails inside a step (LLMEngine raises StepError), only that step's requests fail
+(with the StepError) and the loop goes on; any other failure, a dead worker (looked for every
+`idle_wait_s` while idle too), or `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row mark the engine
+dead: every open stream and every later call raises EngineDeadError instead of hanging, and
+`on_dead(error)` runs (the server stops then, for a supervisor to restart it). `drain(timeout_s)`
+refuses new requests, lets the running ones finish for up to `timeout_s` seconds and then aborts the rest
+with EngineDeadError (graceful shutdown). `max_waiting_requests` bounds the queue: `is_overloaded` says
+when it is full, for the server to answer 503 instead of queueing.
+
+Test hook: TIDAL_INJECT_FAULT=execute:N makes the N-th model execution raise (a step fault the engine
+survives), TIDAL_INJECT_FAULT=update:N the N-th scheduler update (state half updated: the engine dies).
+Read once at start; unset, it costs nothing.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from tidal.config import EngineConfig
-from tidal.engine.llm_engine import LLMEngine, PromptType
+from tidal.engine.llm_engine import LLMEngine, PromptType, StepError
 from tidal.outputs import RequestOutput
 from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # a model that fails every step (e.g. a broken device) is dead, not flaky
+
 
 class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can be served any more."""
+    """The engine loop failed (or is shutting down); no request can be served any more. `in_flight`: raised to
+    a request the engine was serving when it failed (for the server, a 500 rather than a 503)."""
+
+    def __init__(self, message: str, in_flight: bool = False) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 @dataclass
@@ -67,18 +88,27 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, er
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, step_hook=None) -> None:
+    def __init__(self, engine: LLMEngine, step_hook=None, max_waiting_requests: int | None = None) -> None:
         """Wrap an engine and start its loop thread. `step_hook` runs on the engine thread
         after every step and every batch of commands (metrics; the engine is consistent there), with
-        the step's outputs: `step_hook(engine, outputs)`."""
+        the step's outputs: `step_hook(engine, outputs)`. `max_waiting_requests` (None: unbounded) is
+        the most requests that may wait for admission before `is_overloaded`."""
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1 (or None: unbounded), got {max_waiting_requests}")
         self.engine = engine
         self.step_hook = step_hook
+        self.max_waiting_requests = max_waiting_requests
+        self.on_dead = None  # called (engine thread) with the error when the engine dies
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # adds sent (event loop) and applied (engine thread): each counter has one writer, so no lock
+        self._num_adds_sent = self._num_adds_applied = 0
         self._streams: dict[str, _Stream] = {}
         self._dead: BaseException | None = None
         self._stopping = False
+        self._drain_deadline: float | None = None  # set by drain(): no new requests; abort the rest then
         self._wakeup = threading.Event()
-        self.idle_wait_s = 1.0  # how often an idle loop wakes to run step_hook (periodic stats)
+        self.idle_wait_s = 1.0  # how often an idle loop wakes to run step_hook (periodic stats, worker health)
+        _install_fault(engine, os.environ.get("TIDAL_INJECT_FAULT"))
         self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
         self._thread.start()
 
@@ -89,7 +119,17 @@ class AsyncLLM:
     # -- public API (event-loop side) ------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._dead is None and not self._stopping
+        """Accepting requests: alive and neither draining nor stopped."""
+        return self._dead is None and not self._stopping and self._drain_deadline is None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (those just sent included); an n > 1 request counts n."""
+        return self._num_adds_sent - self._num_adds_applied + self.engine.scheduler.num_waiting
+
+    @property
+    def is_overloaded(self) -> bool:
+        return self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -111,6 +151,7 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        self._num_adds_sent += 1
         self._send(("add", request_id, {"prompt": text, "prompt_token_ids": ids},
                     params.clone(output_kind="delta"), cache_salt))
         finished = False
@@ -141,8 +182,19 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the engine's next step."""
-        if self.is_running:
+        if self._dead is None and not self._stopping:
             self._send(("abort", request_id))
+
+    def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown, first half: refuse new requests from now on, let the running and waiting
+        ones finish for up to timeout_s seconds, then abort those left with EngineDeadError."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout_s
+            self._wakeup.set()
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop thread (after its current step); open streams get EngineDeadError."""
@@ -156,8 +208,8 @@ class AsyncLLM:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}") from self._dead
-        if self._stopping:
-            raise EngineDeadError("the engine is shutting down")
+        if self._stopping or self._drain_deadline is not None:
+            raise EngineDeadError("the engine is shutting down: it accepts no new requests")
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -177,6 +229,7 @@ class AsyncLLM:
             except queue.Empty:
                 return aborted
             if command[0] == "add":
+                self._num_adds_applied += 1
                 _, request_id, prompt, params, cache_salt = command
                 stream = self._streams.get(request_id)
                 if stream is None:  # the caller went away before its request got here
@@ -197,15 +250,37 @@ class AsyncLLM:
 
     def _run(self) -> None:
         engine = self.engine
+        failures = 0  # steps failed in a row
+        drained = False  # drain()'s deadline has passed and the requests left were aborted
         try:
             while not self._stopping:
                 self._wakeup.clear()
                 aborted = self._apply_commands()
+                draining = not drained and self._drain_deadline is not None
+                if draining and time.monotonic() >= self._drain_deadline:
+                    drained, draining = True, False
+                    aborted += self._abort_open_streams()
                 if not engine.has_unfinished_requests():
                     self._hook(aborted)
-                    self._wakeup.wait(self.idle_wait_s)
+                    engine.check_health()  # a worker that died while nothing ran
+                    wait = self.idle_wait_s
+                    if draining and self._streams:
+                        wait = min(wait, max(0.0, self._drain_deadline - time.monotonic()))
+                    self._wakeup.wait(wait)
                     continue
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                    failures = 0
+                except StepError as e:
+                    failures += 1
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    for request_id in e.request_ids:
+                        stream = self._streams.get(request_id)
+                        if stream is not None:
+                            stream.put(e)
+                    self._hook(aborted + e.outputs)
+                    continue
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
@@ -214,7 +289,23 @@ class AsyncLLM:
         except BaseException as e:
             logger.exception("Engine loop failed; failing all requests")
             self._dead = e
-            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}"))
+            self._fail_all(EngineDeadError(f"the engine loop failed: {e!r}", in_flight=True))
+            try:
+                engine.shutdown()  # stop the workers left (a failed executor has already)
+            except Exception:  # noqa: BLE001 - already dying; the first error is the one to report
+                logger.exception("stopping the engine after its failure failed too")
+            if self.on_dead is not None:
+                self.on_dead(e)
+
+    def _abort_open_streams(self) -> list[RequestOutput]:
+        """The drain deadline has passed: abort every request still open, each with a clear error."""
+        error = EngineDeadError("the server shut down before this request finished (it was aborted when the "
+                                "shutdown timeout ran out)")
+        aborted = []
+        for request_id, stream in list(self._streams.items()):
+            aborted += self.engine.abort_request(request_id)
+            stream.put(error)
+        return aborted
 
     def _hook(self, outputs) -> None:
         if self.step_hook is None:
@@ -224,3 +315,24 @@ class AsyncLLM:
         except Exception:  # metrics must never take the engine down with them
             logger.exception("step hook failed; disabling it")
             self.step_hook = None
+
+
+def _install_fault(engine: LLMEngine, spec: str | None) -> None:
+    """The TIDAL_INJECT_FAULT test hook (see the module docstring): wraps one engine method so that its
+    N-th call raises. Nothing is wrapped when spec is None."""
+    if not spec:
+        return
+    where, _, nth = spec.partition(":")
+    owners = {"execute": engine.runner, "update": engine.scheduler}
+    if where not in owners or not nth.isdigit() or int(nth) < 1:
+        raise ValueError(f"TIDAL_INJECT_FAULT must be execute:N or update:N (N >= 1), got {spec!r}")
+    owner, nth, calls = owners[where], int(nth), [0]
+    original = getattr(owner, where)
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            raise RuntimeError(f"injected fault (TIDAL_INJECT_FAULT={spec})")
+        return original(*args, **kwargs)
+    setattr(owner, where, failing)
+    logger.warning("TIDAL_INJECT_FAULT=%s: call %d of %s will raise (a test hook)", spec, nth, where)

@@ -29,13 +29,24 @@ from tidal.sampling_params import SamplingParams
 from tidal.spec_decode import speculation
 from tidal.spec_decode.policy import DraftPolicy
 from tidal.structured_outputs.manager import StructuredOutputManager
-from tidal.worker.executor import UniProcExecutor, create_executor, load_model_meta, uses_workers
+from tidal.worker.executor import UniProcExecutor, WorkerError, create_executor, load_model_meta, uses_workers
 from tidal.worker.memory import plan_kv_cache, plan_state_slots
 from tidal.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+
+
+class StepError(RuntimeError):
+    """The model failed in one step. The engine aborted that step's requests (their KV was left half
+    written) and is otherwise intact: it can go on serving the rest. `request_ids` are the aborted
+    requests (as given to add_request), `outputs` their final (aborted) RequestOutputs."""
+
+    def __init__(self, cause: BaseException, request_ids: list[str], outputs: list[RequestOutput]) -> None:
+        super().__init__(f"the model failed in a step ({type(cause).__name__}: {cause}); its "
+                         f"{len(request_ids)} request(s) were aborted")
+        self.request_ids, self.outputs = request_ids, outputs
 
 
 def resolve_eos_token_ids(tokenizer, model_config, generation_config: dict, vocab_size: int) -> tuple[int, ...]:
@@ -335,7 +346,12 @@ class LLMEngine:
         if not batch.scheduled:
             self._wait_for_a_grammar()
         self._add_grammar_bitmask(batch)
-        result = self.runner.execute(batch)
+        try:
+            result = self.runner.execute(batch)
+        except WorkerError:
+            raise  # the workers are gone: nothing left to recover
+        except Exception as e:
+            raise self._fail_step(batch, e) from e
         appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
         if self.proposer is not None:
             speculation.record_drafts(self, batch, result.sampled, time.perf_counter() - t0)
@@ -343,6 +359,18 @@ class LLMEngine:
         if self.stats_logger is not None:
             self.stats_logger.maybe_log(self)
         return outputs
+
+    def _fail_step(self, batch, cause: Exception) -> StepError:
+        """Undo a step whose execute raised: its requests' scheduled tokens were never computed, so they are
+        aborted, and the prefix cache forgets the blocks they filled (hashed at allocation, their KV is not
+        valid). Requests outside the step, and the blocks they hold, are untouched."""
+        logger.error("the model failed in a step; aborting its requests", exc_info=cause)
+        op = self.output_processor
+        parents = list(dict.fromkeys(op.child_to_parent.get(sr.request_id, (sr.request_id,))[0]
+                                     for sr in batch.scheduled))
+        outputs = self.abort_request(parents)
+        self.reset_prefix_cache()
+        return StepError(cause, parents, outputs)
 
     def _wait_for_a_grammar(self) -> None:
         """Nothing to run but requests whose grammars are compiling: wait for one."""

@@ -10,6 +10,9 @@ page needs `Authorization: Bearer <key>` (compared in constant time, never logge
 input is refused before a handler runs (body size, non-text JSON, limits, CORS): input_guard.py.
 A non-streaming request whose client
 disconnects is cancelled (and its engine request aborted) like a streaming one.
+watched for a disconnect even while no token comes (waiting in the queue, computing its prompt).
+With `max_waiting_requests` set on the AsyncLLM, a request that finds the queue full gets 503 with
+`Retry-After` instead of queueing.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 import tidal
 from tidal.engine.async_llm import AsyncLLM
@@ -84,17 +88,20 @@ def _field_path(loc) -> str:
     return path
 
 
-async def _until_disconnected(request: Request) -> None:
+RETRY_AFTER_S = 1  # what an overloaded server asks clients to wait before trying again
+
+
+async def _until_disconnected(receive: Receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
 
-async def _cancel_on_disconnect(request: Request, coro):
+async def _cancel_on_disconnect(receive: Receive, coro):
     """Run coro; if the client goes away first, cancel it (which aborts its engine requests)."""
     work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_until_disconnected(request))
+    watch = asyncio.ensure_future(_until_disconnected(receive))
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
@@ -104,6 +111,20 @@ async def _cancel_on_disconnect(request: Request, coro):
         return None
     finally:
         watch.cancel()
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """A stream of engine outputs that ends as soon as the client goes away, even while nothing is being
+    sent (starlette only notices on the next send), and always closes its body: that aborts the engine
+    requests behind it at once instead of whenever the generator is garbage-collected."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _cancel_on_disconnect(receive, self.stream_response(send))
+        except OSError:  # the client went away during a send
+            pass
+        finally:
+            await self.body_iterator.aclose()
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
@@ -156,22 +177,27 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
     add_cors(app, allowed_origins)  # outermost: a refused key still carries the CORS headers
 
     async def _respond(request: Request, handler, body):
+        if async_llm.is_overloaded:
+            return JSONResponse(error_body(503, f"The server is overloaded: {async_llm.num_waiting} requests are "
+                                                f"waiting (--max-waiting-requests {async_llm.max_waiting_requests})."
+                                                f" Retry after {RETRY_AFTER_S} s.", None, "overloaded"),
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            result = await _cancel_on_disconnect(request, handler.create(body))
+            result = await _cancel_on_disconnect(request.receive, handler.create(body))
         except APIError as e:
             return _error_response(e)
         if result is None:  # client gone
             return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EngineStreamingResponse(result, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():
         if not async_llm.is_running:
-            return JSONResponse(error_body(503, f"the engine is not running: {async_llm.dead_error!r}"),
-                                status_code=503)
+            why = "the server is shutting down" if async_llm.dead_error is None else repr(async_llm.dead_error)
+            return JSONResponse(error_body(503, f"the engine is not running: {why}"), status_code=503)
         check = getattr(async_llm.engine, "check_health", None)
         try:
             if check is not None:

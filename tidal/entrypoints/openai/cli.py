@@ -6,7 +6,13 @@
 Every engine flag of the CLI is accepted (see `tidal serve --help`), plus the server's own:
 --host, --port, --api-key (or TIDAL_API_KEY), --max-log-len, --disable-log-requests,
 --uvicorn-log-level, --chat-template, --enable-auto-tool-choice, --tool-call-parser,
---max-request-body-bytes, --max-logprobs, --allowed-origins, --trust-request-chat-template.
+--max-request-body-bytes, --max-logprobs, --allowed-origins, --trust-request-chat-template,
+--max-waiting-requests, --shutdown-timeout.
+
+SIGTERM or SIGINT stops the server gracefully: it stops accepting, lets in-flight requests finish for
+up to --shutdown-timeout seconds, aborts the rest with an error, stops the workers and exits 0 (a
+second signal stops it at once). If the engine dies (a worker killed, a fault it cannot recover from),
+/health and new requests answer 503 and the process exits with status 1, for a supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -61,6 +67,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--allowed-origins", default=None,
                    help="origins allowed to call the server from a browser (CORS), as a JSON list or "
                         "comma-separated, e.g. 'https://app.example.com'; '*' for any (default: none, CORS off)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 with Retry-After when this many requests already wait for admission "
+                        "(default: no limit, every request queues)")
+    g.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are "
+                        "aborted (default 5)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of uvicorn (access logs at info)")
@@ -81,6 +93,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"tidal serve: --max-log-len must be >= 0, got {args.max_log_len}")
     if args.stats_log_interval <= 0:
         raise SystemExit(f"tidal serve: --stats-log-interval must be > 0, got {args.stats_log_interval}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise SystemExit(f"tidal serve: --max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if not args.shutdown_timeout >= 0:
+        raise SystemExit(f"tidal serve: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("tidal serve: --enable-auto-tool-choice needs --tool-call-parser (one of "
                          f"{', '.join(sorted(TOOL_PARSERS))})")
@@ -118,7 +134,7 @@ def run_server(args: argparse.Namespace) -> int:
     if engine.stats_logger is not None:  # None under --disable-log-stats
         engine.stats_logger.interval_s = args.stats_log_interval
     metrics = ServerMetrics(name)
-    async_llm = AsyncLLM(engine, step_hook=metrics)
+    async_llm = AsyncLLM(engine, step_hook=metrics, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_llm, name, api_key=args.api_key, metrics=metrics, max_log_len=args.max_log_len,
                     log_requests=not args.disable_log_requests, chat_template=args.chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
@@ -131,9 +147,48 @@ def run_server(args: argparse.Namespace) -> int:
                 str(engine.dtype).removeprefix("torch."), args.host, args.port, engine.max_model_len,
                 plan.num_tokens, plan.num_blocks, plan.block_size, plan.num_bytes / 2**20,
                 ", API key required" if args.api_key else "")
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                               timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = _server_class()(uv_config, async_llm, args.shutdown_timeout)
+    async_llm.on_dead = server.engine_died
+    if async_llm.dead_error is not None:  # died before it could tell
+        server.engine_died(async_llm.dead_error)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=5)
+        server.run()
     finally:
         async_llm.shutdown()
+        engine.shutdown()  # the worker processes
+    if async_llm.dead_error is not None:
+        logger.error("Exiting with status 1: the engine died (%r)", async_llm.dead_error)
+        return 1
     return 0
+
+
+def _server_class():
+    """The server class, defined on first use: `tidal --help` does not import uvicorn."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with Tidal's shutdown. On SIGTERM or SIGINT: the engine drains (new requests get
+        503; in-flight ones have `shutdown_timeout` seconds, then are aborted with an error) while uvicorn
+        stops accepting and waits for the connections to end (its own timeout is a backstop a few seconds
+        later). The signal is not re-raised afterwards (uvicorn's default, which made the exit status 143)."""
+
+        def __init__(self, config, async_llm, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self.async_llm, self.shutdown_timeout = async_llm, shutdown_timeout
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # a second signal: stop now
+                self.force_exit = True
+                return
+            logger.info("Received signal %d: shutting down, in-flight requests have %g s to finish (%d open)",
+                        sig, self.shutdown_timeout, self.async_llm.num_open_requests)
+            self.async_llm.drain(self.shutdown_timeout)
+            self.should_exit = True
+
+        def engine_died(self, error: BaseException) -> None:
+            logger.error("The engine died (%r): stopping the server", error)
+            self.should_exit = True  # uvicorn polls it; safe to set from the engine thread
+
+    return Server

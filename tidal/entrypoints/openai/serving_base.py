@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError
+from tidal.engine.llm_engine import StepError
 from tidal.entrypoints.openai.input_guard import (
     DEFAULT_MAX_LOGPROBS,
     check_request_limits,
@@ -54,7 +55,11 @@ def bad_request(error: ValueError, default_param: str | None = None) -> APIError
 
 def engine_error(error: BaseException) -> APIError:
     if isinstance(error, EngineDeadError):
+        if error.in_flight:  # the engine failed while serving this request
+            return APIError(500, f"the engine failed while serving this request: {error}")
         return APIError(503, f"the engine is not running: {error}")
+    if isinstance(error, StepError):  # already says what failed and that the request was aborted
+        return APIError(500, str(error))
     return APIError(500, f"internal error: {error!r}")
 
 
@@ -108,7 +113,9 @@ class ServingContext:
 
     def check_alive(self) -> None:
         if not self.async_llm.is_running:
-            raise engine_error(self.async_llm.dead_error or EngineDeadError("the engine is shutting down"))
+            dead = self.async_llm.dead_error
+            raise engine_error(EngineDeadError(f"the engine loop failed: {dead!r}" if dead is not None
+                                               else "the server is shutting down"))
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> int:
         """The request's max_tokens, checked against the context length (None: all the room left)."""
