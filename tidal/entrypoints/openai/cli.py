@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from tidal.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tidal.entrypoints.openai.input_guard import (
@@ -160,7 +161,12 @@ def run_server(args: argparse.Namespace) -> int:
         engine.shutdown()  # the worker processes
     if async_llm.dead_error is not None:
         logger.error("Exiting with status 1: the engine died (%r)", async_llm.dead_error)
-        return 1
+        # the workers and their shared memory are gone: exit now rather than after the interpreter's
+        # teardown (torch's, a second or more), so a supervisor restarts the server within seconds
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 
