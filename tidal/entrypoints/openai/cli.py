@@ -5,7 +5,7 @@
 
 Every engine flag of the CLI is accepted (see `tidal serve --help`), plus the server's own:
 --host, --port, --api-key (or TIDAL_API_KEY), --max-log-len, --disable-log-requests,
---uvicorn-log-level, --chat-template, --enable-auto-tool-choice, --tool-call-parser,
+--uvicorn-log-level, --stats-log-interval, --chat-template, --enable-auto-tool-choice, --tool-call-parser,
 --max-request-body-bytes, --max-logprobs, --allowed-origins, --trust-request-chat-template,
 --max-waiting-requests, --shutdown-timeout.
 
