@@ -362,8 +362,10 @@ class LLMEngine:
 
     def _fail_step(self, batch, cause: Exception) -> StepError:
         """Undo a step whose execute raised: its requests' scheduled tokens were never computed, so they are
-        aborted, and the prefix cache forgets the blocks they filled (hashed at allocation, their KV is not
-        valid). Requests outside the step, and the blocks they hold, are untouched."""
+        aborted, and the prefix cache is reset so that no block they filled (hashed at allocation, its KV not
+        valid) is served again; that reset also drops other unused cached blocks (a fault is rare, and the
+        reset is the one mechanism that forgets blocks). Requests outside the step, and the blocks they
+        hold, are untouched."""
         logger.error("the model failed in a step; aborting its requests", exc_info=cause)
         op = self.output_processor
         parents = list(dict.fromkeys(op.child_to_parent.get(sr.request_id, (sr.request_id,))[0]
