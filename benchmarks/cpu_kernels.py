@@ -133,11 +133,14 @@ def invariant(isa: str, rounds: int = 3) -> None:
         for m in range(1, cpu_kernels.SKINNY_MAX_ROWS + 1):
             best: dict[str, float] = {}
             for _ in range(rounds):
-                t = dict.fromkeys(("skinny", "ordered skinny", "blocked"), 0.0)
+                t = dict.fromkeys(("skinny", "packed", "ordered skinny", "blocked"), 0.0)
                 for n, k in SHAPES:
                     xb, wb = torch.randn(m, k).bfloat16(), rotating(torch.randn(n, k).bfloat16())
                     reps = 30
                     t["skinny"] += timed_cold(lambda w: cpu_kernels.skinny_linear(xb, w, None), wb, reps)
+                    wp = [cpu_kernels.pack_bf16_weight(w) for w in wb]
+                    t["packed"] += timed_cold(lambda w: cpu_kernels.packed_linear(xb, w, n, k, None), wp, reps)
+                    del wp
                     t["ordered skinny"] += timed_cold(lambda w: cpu_kernels.skinny_linear_ordered(xb, w, None), wb,
                                                       reps)
                     t["blocked"] += timed_cold(lambda w: cpu_kernels.bf16_linear(xb, w, None), wb, reps)

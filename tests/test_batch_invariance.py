@@ -8,6 +8,7 @@ comparison shows differences (the last test), so these tests can fail."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers import random_prompts, save_tiny_model, tiny_config
 from tests.test_hybrid import save_tiny_hybrid
@@ -125,6 +126,29 @@ def test_what_the_mode_does_not_cover_is_refused(monkeypatch, kwargs, message):
         EngineConfig(batch_invariant=True, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,on", [
+    ({}, True), ({"dtype": "float32"}, True), ({"dtype": "bfloat16"}, True), ({"quantization": "int8"}, False),
+    ({"dtype": "float16"}, False), ({"device": "cuda"}, False), ({"batch_invariant": False}, False)])
+def test_the_mode_is_on_by_default_where_it_is_supported(monkeypatch, kwargs, on):
+    from tidal import config
+    from tidal.config import EngineConfig
+    monkeypatch.setattr(config, "resolve_device", lambda d: "cpu" if d == "auto" else d)  # "cuda" without a GPU
+    assert EngineConfig(**kwargs).batch_invariant is on
+
+
+def test_the_default_model_runs_in_the_mode_with_packed_weights():
+    """The default engine: batch-invariant, its bf16 weights packed (on a CPU with AVX-512 BF16), and a
+    decode alone gives the bits it gets inside a batch of others."""
+    from tidal.layers.cpu_kernels import packed_gemm_available
+    llm = LLM(max_model_len=128, kv_cache_memory_bytes=64 << 20)
+    assert llm.llm_engine.config.batch_invariant
+    packed = [p for p in llm.llm_engine.runner.model.parameters() if getattr(p, "bf16_packed", None)]
+    assert bool(packed) == (packed_gemm_available() and llm.llm_engine.dtype == torch.bfloat16)
+    prompts = random_prompts(6, 3, 40, 49152, seed=5)
+    alone = [_generate(llm, prompts, 6, [i])[0] for i in range(len(prompts))]
+    assert _generate(llm, prompts, 6) == alone
+
+
 @pytest.mark.skipif("avx2" not in runnable_isas(), reason="this CPU cannot run the AVX2 kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
@@ -156,11 +180,13 @@ def test_64_prompts_logprobs_do_not_depend_on_the_batch(tmp_path_factory, kind, 
     assert _differences(_scenarios(path, dtype, prompts, engine, big=256 << 20)) == []
 
 
-@pytest.mark.parametrize("kind", ["llama"])
-def test_without_the_mode_the_batch_changes_logprobs(tmp_path_factory, kind):
-    """The same comparison with batch_invariant=False finds differences (bf16: a decode alone takes the
-    skinny GEMM, in a batch the blocked one), so the tests above can fail."""
-    got = _scenarios(_tiny_path(tmp_path_factory, kind), "bfloat16", PROMPTS, TINY_ENGINE, invariant=False)
+@pytest.mark.parametrize("kind,dtype", [("mixtral", "float32"), ("jamba", "bfloat16")])
+def test_without_the_mode_the_batch_changes_logprobs(tmp_path_factory, kind, dtype):
+    """The same comparison with batch_invariant=False finds differences (the experts' products through
+    torch's GEMM, whose kernel depends on how many rows an expert takes; Mamba decodes on their own batched
+    path), so the tests above can fail. (The dense bf16 layers are invariant in both modes once packed.)"""
+    engine = JAMBA_ENGINE if kind == "jamba" else TINY_ENGINE
+    got = _scenarios(_tiny_path(tmp_path_factory, kind), dtype, PROMPTS, engine, invariant=False)
     assert _differences(got) != []
 
 

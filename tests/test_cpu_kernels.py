@@ -185,6 +185,34 @@ def test_ordered_skinny_gemm_equals_the_blocked_gemm_bitwise(isa, k):
                        cpu_kernels.bf16_linear(x, w, None)[:2])
 
 
+@pytest.mark.parametrize("n,k", [(103, 576), (960, 577), (40, 33), (17, 2050)])  # ragged N, odd K, K > 2048
+def test_packed_gemm_gives_the_blocked_gemms_bits_for_any_number_of_rows(isa, n, k):
+    """bf16 weights packed at load: every number of rows (1-4 stream the weight, more take the blocked
+    kernel over the packed layout) gives bitwise what the blocked kernel gives on the plain weight; the
+    table's rows read back exactly; without an AVX-512 BF16 build, cpu_linear unpacks and still agrees."""
+    from tidal.layers.linear import cpu_linear
+    torch.manual_seed(0)
+    x = torch.randn(70, k).bfloat16()
+    w = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    packed = cpu_kernels.pack_bf16_weight(w)
+    ids = torch.tensor([[0, n - 1], [n // 2, 5]])
+    assert torch.equal(cpu_kernels.unpack_bf16_rows(packed, ids, k), w[ids])
+    param = torch.nn.Parameter(packed, requires_grad=False)
+    param.bf16_packed = (n, k)
+    if isa != "avx512_bf16":
+        assert cpu_kernels.packed_linear(x, packed, n, k, bias) is None
+        torch.testing.assert_close(cpu_linear(x[:3], param, bias), torch.nn.functional.linear(x[:3], w, bias),
+                                   atol=0.05, rtol=0.02)
+        return
+    full = cpu_kernels.bf16_linear(x, w, bias)
+    for rows in (slice(0, 1), slice(3, 5), slice(17, 20), slice(36, 40), slice(0, 5), slice(10, 27), slice(0, 70)):
+        assert torch.equal(cpu_kernels.packed_linear(x[rows].contiguous(), packed, n, k, bias), full[rows]), rows
+        assert torch.equal(cpu_linear(x[rows], param, bias), full[rows]), rows
+    assert torch.equal(cpu_kernels.packed_linear(x[:2].contiguous(), packed, n, k, None),
+                       cpu_kernels.bf16_linear(x[:2].contiguous(), w, None))
+
+
 @pytest.mark.parametrize("k", [576, 67])
 def test_fp32_gemm_rows_do_not_depend_on_the_batch(isa, k):
     """Batch-invariant mode's fp32 product: close to torch's, and a row's bits the same alone (streamed

@@ -58,8 +58,9 @@ class EngineConfig:
     swap_space: float = 0
     # True: each request's logits are bitwise the same whatever else runs in the same steps (batch size,
     # chunk boundaries, prefix-cache hits, preemption): every reduction in a fixed order per row
-    # (docs/batch_invariance.md)
-    batch_invariant: bool = False
+    # (docs/batch_invariance.md). None (default): on where it is supported (the CPU, fp32 or bf16, plain
+    # weights), off elsewhere; True refuses what it does not support.
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -102,24 +103,34 @@ class EngineConfig:
             raise ValueError(f"tokenizer must be a path (a directory with tokenizer files or a .gguf file), "
                              f"got {self.tokenizer!r}")
         self.device = resolve_device(self.device)
-        if self.batch_invariant:
-            self._check_batch_invariant()
+        # None: "auto", resolved here; the engine turns it off after loading a checkpoint quantized in itself
+        self.batch_invariant_auto = self.batch_invariant is None
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True, False or None (on where supported), got "
+                             f"{self.batch_invariant!r}")
+        unsupported = self.batch_invariant_unsupported()
+        if self.batch_invariant and unsupported:
+            raise ValueError(f"batch_invariant=True {unsupported}")
+        if self.batch_invariant is None:
+            self.batch_invariant = unsupported is None
         from tidal.spec_decode.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
                              f"got {self.distributed_executor_backend!r}")
 
-    def _check_batch_invariant(self) -> None:
-        """The mode covers the CPU's fp32 and bf16 products with plain weights; anything else is refused
-        rather than silently left dependent on the batch (docs/batch_invariance.md)."""
+    def batch_invariant_unsupported(self) -> str | None:
+        """Why batch-invariant mode cannot run with these settings (None: it can). The mode covers the
+        CPU's fp32 and bf16 products with plain weights; anything else is refused rather than silently
+        left dependent on the batch (docs/batch_invariance.md)."""
         if self.device != "cpu":
-            raise ValueError(f"batch_invariant=True is implemented on the CPU only, not on device {self.device!r}")
+            return f"is implemented on the CPU only, not on device {self.device!r}"
         if self.dtype in ("float16", "half"):
-            raise ValueError(f"batch_invariant=True supports dtype float32, bfloat16 or auto, not {self.dtype!r}")
+            return f"supports dtype float32, bfloat16 or auto, not {self.dtype!r}"
         if self.quantization not in (None, "none"):
-            raise ValueError(f"batch_invariant=True runs plain weights: quantization {self.quantization!r} is not "
-                             "supported with it (its kernels are not batch-invariant)")
+            return (f"runs plain weights: quantization {self.quantization!r} is not supported with it (its kernels "
+                    "are not batch-invariant)")
+        return None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -87,6 +87,12 @@ class LLMEngine:
         self.dtype = loaded.dtype  # activations
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, loaded.weight_dtype)
         self.quantization = loaded.quantization  # the scheme the weights are stored in (None: plain)
+        if config.batch_invariant and self.quantization is not None:  # quantized by its checkpoint
+            if not config.batch_invariant_auto:
+                raise ValueError(f"batch_invariant=True runs plain weights: this checkpoint's quantization "
+                                 f"{self.quantization!r} is not supported with it (its kernels are not "
+                                 "batch-invariant)")
+            config.batch_invariant = False
         hf = loaded.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = self._max_model_len(hf)

@@ -49,9 +49,11 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     _bool_flag(g, "enable-chunked-prefill", True,
                "split a prompt longer than a step's token budget across steps (default on); off: each prompt is "
                "computed whole in one step, and --max-num-batched-tokens must be >= --max-model-len")
-    _bool_flag(g, "batch-invariant", False,
+    _bool_flag(g, "batch-invariant", None,
                "a request's logits, tokens and logprobs bitwise the same whatever else runs with it (batch size, "
-               "chunking, prefix-cache hits, preemption; default off); docs/batch_invariance.md")
+               "chunking, prefix-cache hits, preemption). Default: on where supported (the CPU, float32 or "
+               "bfloat16, no quantization), off elsewhere; --batch-invariant refuses settings it does not "
+               "support, --no-batch-invariant turns it off. docs/batch_invariance.md")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of sampling for requests without their own seed (default 0)")
     g.add_argument("--enforce-eager", action="store_true",

@@ -18,7 +18,7 @@ import os
 import torch
 
 from tidal.layers import quant_kernels
-from tidal.native import NativeLibrary
+from tidal.native import NativeLibrary, cpu_isa
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _CACHE_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3}  # an FP8 (E4M3) KV cache: kv_cache_dtype "fp8"
@@ -121,8 +121,9 @@ def rope_neox(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor,
         return None
     T, H, D = x.shape
     out = torch.empty(T, H, D, dtype=x.dtype)
+    positions = positions.contiguous()  # held: a temporary copy would be freed before the call runs
     lib.tidal_rope_neox(x.data_ptr(), x.stride(0), cos_full.data_ptr(), sin_signed.data_ptr(),
-                        positions.contiguous().data_ptr(), out.data_ptr(), T, H, D, _DTYPES[x.dtype],
+                        positions.data_ptr(), out.data_ptr(), T, H, D, _DTYPES[x.dtype],
                         torch.get_num_threads())
     return out
 
@@ -140,7 +141,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
             return False
     T, Hk, D = k.shape
-    lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.contiguous().data_ptr(),
+    slot_mapping = slot_mapping.contiguous()  # held: a temporary copy would be freed before the call runs
+    lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
                        _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale)
     return True
@@ -204,6 +206,8 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_skinny_gemm_bf16_ordered.restype = ctypes.c_int
     lib.tidal_skinny_gemm_bf16_ordered.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_gemm_bf16_packed.restype = ctypes.c_int
+    lib.tidal_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
 
 
 _GEMM_LIB = NativeLibrary("gemm", os.path.join(os.path.dirname(__file__), "csrc", "gemm.cpp"),
@@ -234,9 +238,10 @@ def _gemm(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if M == 0:
         return None
     out = torch.empty(M, N, dtype=out_dtype)
-    if getattr(lib, kernel)(x2.data_ptr(), weight.contiguous().data_ptr(),
-                            None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), M, N, K,
-                            torch.get_num_threads()):
+    weight = weight.contiguous()  # held here: a temporary's memory would be freed before the call runs
+    bias = None if bias is None else bias.contiguous()
+    if getattr(lib, kernel)(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                            out.data_ptr(), M, N, K, torch.get_num_threads()):
         return None
     return out.view(*shape[:-1], N)
 
@@ -267,6 +272,57 @@ def skinny_linear_ordered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             or (bias is not None and bias.dtype != torch.bfloat16)):
         return None
     return _gemm("tidal_skinny_gemm_bf16_ordered", x, weight, bias, torch.bfloat16)
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in the layout of the packed kernel (gemm.cpp: skinny_bf16_packed): tiles of 16
+    rows, pair-interleaved, [ceil(N / 16), ceil(K / 2), 16] int32 (pair (w[n, 2p], w[n, 2p + 1]) of row
+    16t + i at [t, p, i]), zero past N and past an odd K. The same bytes as the weight, give or take the
+    padding. Each row's values are kept: `unpack_bf16_rows` reads rows back."""
+    n, k = weight.shape
+    n_pad, k_pad = -(-n // 16) * 16, k + k % 2
+    w = torch.zeros(n_pad, k_pad, dtype=torch.bfloat16, device=weight.device)
+    w[:n, :k] = weight
+    return w.view(torch.int32).view(n_pad // 16, 16, k_pad // 2).transpose(1, 2).contiguous()
+
+
+def unpack_bf16_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `rows` (any shape of indices) of the weight `packed` holds, bf16 [..., k]: an embedding lookup
+    in a table packed for the LM head it is tied to."""
+    flat = rows.reshape(-1)
+    picked = packed[flat // 16, :, flat % 16]  # [len, ceil(k / 2)] pairs
+    return picked.contiguous().view(torch.bfloat16)[:, :k].reshape(*rows.shape, k)
+
+
+def unpack_bf16_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The plain bf16 weight [n, k] of a packed one (a copy)."""
+    return unpack_bf16_rows(packed, torch.arange(n, device=packed.device), k)
+
+
+def packed_gemm_available() -> bool:
+    """Whether the packed kernel runs on this CPU (an AVX-512 BF16 build of gemm.cpp)."""
+    return cpu_isa() == "avx512_bf16" and _GEMM_LIB.get() is not None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., k] bf16 @ W^T (+ bias) for a weight W [n, k] held packed (`pack_bf16_weight`), any number of
+    rows, bitwise what `bf16_linear` gives on the plain W, whatever the number of rows: 1-4 rows stream
+    the weight once, more take the blocked kernel. None when it does not apply (no AVX-512 BF16 build)."""
+    lib = _GEMM_LIB.get()
+    if lib is None or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    shape = x.shape
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if m == 0:
+        return out.view(*shape[:-1], n)
+    bias = None if bias is None else bias.contiguous()
+    if lib.tidal_gemm_bf16_packed(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                  out.data_ptr(), m, n, k, torch.get_num_threads()):
+        return None
+    return out.view(*shape[:-1], n)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

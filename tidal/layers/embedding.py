@@ -11,6 +11,7 @@ from tidal.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from tidal.layers.cpu_kernels import unpack_bf16_rows
 from tidal.layers.gguf_kernels import gguf_linear
 from tidal.layers.linear import cpu_linear
 from tidal.layers.quantization.gguf import packed_lookup
@@ -36,6 +37,9 @@ class VocabParallelEmbedding(nn.Module):
         """Rows of this rank's table for local ids, in the output dtype."""
         if self.weight.dtype == torch.uint8:  # GGUF blocks: dequantize the looked-up rows only
             return packed_lookup(self.weight, ids, self.dtype)
+        packed = getattr(self.weight, "bf16_packed", None)
+        if packed is not None:  # packed for the LM head tied to this table (tidal.loader.pack_bf16_weights)
+            return unpack_bf16_rows(self.weight, ids, packed[1]).to(self.dtype)
         if self.weight_scale is None:
             return F.embedding(ids, self.weight).to(self.dtype)
         return (self.weight[ids].to(torch.float32) * self.weight_scale[ids].unsqueeze(-1)).to(self.dtype)

@@ -103,8 +103,9 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
             x2 = x2.contiguous()
             out = torch.empty(M, N, dtype=x.dtype)
             code = BLOCK_FORMATS[block_format(packed)][0]
+            bias = None if bias is None else bias.contiguous()  # held: a temporary would be freed before the call
             if not lib.tidal_gguf_linear(x2.data_ptr(), packed.data_ptr(), code,
-                                         None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+                                         None if bias is None else bias.data_ptr(), out.data_ptr(),
                                          M, N, x2.shape[1], _DTYPES[x.dtype], torch.get_num_threads()):
                 return out.view(*shape[:-1], N)
     if x.device.type == "cpu":

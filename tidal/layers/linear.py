@@ -27,8 +27,10 @@ from tidal.layers.cpu_kernels import (
     bf16_linear,
     linear_f32,
     linear_f32_bf16w,
+    packed_linear,
     skinny_linear,
     skinny_linear_ordered,
+    unpack_bf16_weight,
 )
 
 
@@ -80,7 +82,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     as when the whole prompt runs, so cached and uncached requests agree. fp32 on a CPU: the native fp32
     kernel (1.1-2.6x torch's GEMM on SmolLM2's shapes, 1 to 2048 rows, and its rows independent of the
     row count). Elsewhere (fp16, bf16 without native bf16 products, GPUs) F.linear. A weight narrower than
-    x (bf16 under fp32 activations) takes bf16_weight_linear."""
+    x (bf16 under fp32 activations) takes bf16_weight_linear. A weight packed at load (`weight.bf16_packed`:
+    bf16 on a CPU with AVX-512 BF16, tidal.loader.pack_bf16_weights) takes the packed kernel for any
+    number of rows: the blocked kernel's order, so its rows never depend on the batch, in both modes."""
+    packed = getattr(weight, "bf16_packed", None)
+    if packed is not None:
+        n, k = packed
+        out = packed_linear(x, weight, n, k, bias)
+        if out is not None:
+            return out
+        weight = unpack_bf16_weight(weight, n, k)  # only if the kernel cannot run here (another ISA level)
     if weight.dtype != x.dtype:
         return bf16_weight_linear(x, weight, bias)
     if batch_invariant() and x.device.type == "cpu":

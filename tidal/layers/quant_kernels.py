@@ -65,7 +65,11 @@ def int8_dot_kind() -> str | None:
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.contiguous().data_ptr()
+    """The address of a tensor the caller holds, contiguous (a temporary copy's memory would be freed before
+    the native call runs)."""
+    if t is not None and not t.is_contiguous():
+        raise ValueError("a native kernel's tensor argument must be contiguous")
+    return None if t is None else t.data_ptr()
 
 
 def _on_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -92,9 +96,11 @@ def _linear(kernel: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
     if M == 0:
         return None
     out = torch.empty(M, N, dtype=x.dtype)
-    if getattr(lib, kernel)(x2.contiguous().data_ptr(), x_dtype, wq.contiguous().data_ptr(), *extra,
-                            w_scale.contiguous().data_ptr(), _ptr(bias), out.data_ptr(), M, N, K,
-                            torch.get_num_threads()):
+    # held in locals: a temporary contiguous copy would be freed before the call runs
+    x2, wq, w_scale = x2.contiguous(), wq.contiguous(), w_scale.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    if getattr(lib, kernel)(x2.data_ptr(), x_dtype, wq.data_ptr(), *extra, w_scale.data_ptr(), _ptr(bias),
+                            out.data_ptr(), M, N, K, torch.get_num_threads()):
         return None
     return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
 
@@ -147,7 +153,8 @@ def int8_row_sums(wq: torch.Tensor) -> torch.Tensor | None:
     if wq.dtype != torch.int8 or wq.dim() != 2 or not _on_cpu(wq) or (lib := _LIB.get()) is None:
         return None
     out = torch.empty(wq.shape[0], dtype=torch.int32)
-    lib.tidal_int8_row_sums(wq.contiguous().data_ptr(), out.data_ptr(), wq.shape[0], wq.shape[1],
+    wq = wq.contiguous()
+    lib.tidal_int8_row_sums(wq.data_ptr(), out.data_ptr(), wq.shape[0], wq.shape[1],
                             torch.get_num_threads())
     return out
 
@@ -166,7 +173,9 @@ def int8_gemm_i32(xq: torch.Tensor, wq: torch.Tensor, w_row_sums: torch.Tensor |
     M, K = xq.shape
     N = wq.shape[0]
     out = torch.empty(M, N, dtype=torch.int32)
-    lib.tidal_int8_gemm_i32(xq.contiguous().data_ptr(), wq.contiguous().data_ptr(), _ptr(w_row_sums), out.data_ptr(),
+    xq, wq = xq.contiguous(), wq.contiguous()
+    w_row_sums = None if w_row_sums is None else w_row_sums.contiguous()
+    lib.tidal_int8_gemm_i32(xq.data_ptr(), wq.data_ptr(), _ptr(w_row_sums), out.data_ptr(),
                             M, N, K, torch.get_num_threads())
     return out
 

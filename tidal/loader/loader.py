@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.layers.cpu_kernels import pack_bf16_weight, packed_gemm_available
 from tidal.layers.embedding import VocabParallelEmbedding
+from tidal.layers.linear import LinearBase, UnquantizedLinearMethod
 from tidal.layers.quantization import get_quantization_config
 from tidal.layers.quantization.gguf import pack_embedding
 from tidal.layers.quantization.methods import quantize_embeddings
@@ -273,6 +275,31 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
             module.process_weights_after_loading()
 
 
+def pack_bf16_weights(model: torch.nn.Module) -> int:
+    """Repack every plain bf16 weight the CPU's packed kernel can read (linear layers without quantization,
+    the embedding and LM-head tables) into its layout, in place (one copy: a tied head and its table share
+    it), on a CPU with AVX-512 BF16. The packed kernel streams a weight once for 1-4 rows and feeds the
+    blocked kernel for more, in one summation order for any number of rows (docs/batch_invariance.md).
+    Returns the number of tensors packed."""
+    if not packed_gemm_available():
+        return 0
+    done: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            plain = type(module.quant_method) is UnquantizedLinearMethod
+        else:
+            plain = isinstance(module, VocabParallelEmbedding) and module.weight_scale is None
+        param = getattr(module, "weight", None) if plain else None
+        if (param is None or id(param) in done or param.dtype != torch.bfloat16 or param.dim() != 2
+                or param.device.type != "cpu"):
+            continue
+        n, k = param.shape
+        param.data = pack_bf16_weight(param.data)
+        param.bf16_packed = (n, k)
+        done.add(id(param))
+    return len(done)
+
+
 def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_overrides=None,
                quantization: str | None = None, device: str | torch.device = "cpu", tokenizer: str | None = None,
                tokenizer_mode: str = "auto", load_format: str = "auto") -> LoadedModel:
@@ -331,6 +358,8 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     elif weight_dtype != torch_dtype:
         narrow_embeddings(net, weight_dtype)
     process_weights_after_loading(net)
+    if torch.device(device).type == "cpu":
+        pack_bf16_weights(net)
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in net.parameters()}.values())
     name = DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
     weights_note = "" if weight_dtype == torch_dtype else f" ({str(weight_dtype).removeprefix('torch.')} weights)"

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <omp.h>
 #include <type_traits>
 #include <vector>
 
@@ -313,13 +314,16 @@ static inline void store_2x16x8(const __m512* lo, const __m512* hi, const uint16
   }
 }
 
-// MV packed groups of 16 rows of x (xg + v * gstride, the first at row m0) against NR weight rows
-// (w + i * K): MV * NR accumulators, one per (group, weight row), each lane one output. prefetch (or
-// null): K / 2 cache lines to bring into L2 meanwhile, one per pair (the next tile's weights).
-template <int MV, int NR>
-static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const uint16_t* w, int64_t K,
+// MV packed groups of 16 rows of x (xg + v * gstride, the first at row m0) against NR weight rows: MV * NR
+// accumulators, one per (group, weight row), each lane one output. The weight rows are w + i * K in the
+// plain layout, or (PK) lanes i of a packed tile, pair p of row i at w32[p * 16 + i]. prefetch (or null):
+// K / 2 cache lines to bring into L2 meanwhile, one per pair (the next tile's weights).
+template <int MV, int NR, bool PK>
+static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const void* wv_, int64_t K,
                              const uint16_t* bias, uint16_t* out, int64_t M, int64_t N, int64_t m0, int64_t n0,
                              int nn, const char* prefetch) {
+  const uint16_t* w = static_cast<const uint16_t*>(wv_);
+  const uint32_t* w32 = static_cast<const uint32_t*>(wv_);
   __m512 acc[MV][NR];
   for (int v = 0; v < MV; ++v)
     for (int i = 0; i < NR; ++i) acc[v][i] = _mm512_setzero_ps();
@@ -330,14 +334,15 @@ static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const uint16_t
     for (int v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xg + v * gstride + p * 16);
     for (int i = 0; i < NR; ++i) {
       int32_t wp;
-      std::memcpy(&wp, w + i * K + 2 * p, 4);
+      if constexpr (PK) wp = (int32_t)w32[p * 16 + i];
+      else std::memcpy(&wp, w + i * K + 2 * p, 4);
       const __m512bh wv = (__m512bh)_mm512_set1_epi32(wp);
       for (int v = 0; v < MV; ++v) acc[v][i] = _mm512_dpbf16_ps(acc[v][i], xv[v], wv);
     }
   }
   if (K % 2) {  // x's half of the last pair is zero; so is the weight's, so that no inf or NaN comes in
     for (int i = 0; i < NR; ++i) {
-      const __m512bh wv = (__m512bh)_mm512_set1_epi32(w[i * K + K - 1]);
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(PK ? (int32_t)w32[pairs * 16 + i] : w[i * K + K - 1]);
       for (int v = 0; v < MV; ++v)
         acc[v][i] = _mm512_dpbf16_ps(acc[v][i], (__m512bh)_mm512_loadu_si512(xg + v * gstride + pairs * 16), wv);
     }
@@ -352,7 +357,8 @@ static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const uint16_t
   }
 }
 
-static void gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int64_t M,
+template <bool PK>
+static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, uint16_t* out, int64_t M,
                       int64_t N, int64_t K, int num_threads) {
   // Tiles of 16 weight rows, whose K pairs stay in L1/L2 while the panel of x passes: two groups of 16
   // rows of x at a time against each half (16 accumulators); a last single group against all 16
@@ -360,6 +366,7 @@ static void gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias
   constexpr int NT = 16;
   const int64_t K2p = ((K + 1) / 2 + 15) / 16 * 16;
   const int64_t gstride = K2p * 16;
+  const int64_t K2p16 = (K + 1) / 2 * 16;  // a packed weight tile: 16 lanes of every pair
   // groups of 16 rows per panel: ~384 KiB of packed x, in L2 while every weight tile passes over it
   const int64_t groups = (M + 15) / 16;
   const int64_t panel = std::max<int64_t>(2, (384 * 1024) / (gstride * 4) / 2 * 2);
@@ -378,25 +385,31 @@ static void gemm_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n0 = t * NT;
         const int nn = (int)std::min<int64_t>(NT, N - n0);
-        const uint16_t* wt = w + n0 * K;
-        if (nn < NT) {
+        // this tile's weights: the plain rows (the last tile's padded with zero rows to NT), or the packed
+        // tile (already padded), whose 8-row halves are lanes 0-7 and 8-15
+        const uint16_t* wt = static_cast<const uint16_t*>(w) + n0 * K;
+        const uint32_t* wtp = static_cast<const uint32_t*>(w) + t * K2p16;
+        if (!PK && nn < NT) {
           tail_rows.assign(NT * K, 0);
           std::memcpy(tail_rows.data(), wt, nn * K * 2);
           wt = tail_rows.data();
         }
+        auto half_rows = [&](int h) -> const void* { return PK ? (const void*)(wtp + 8 * h) : (const void*)(wt + 8 * h * K); };
         // the next tile's weights (16 * K bf16: K / 2 lines) come from memory while this one computes:
         // what keeps a weight too large for the caches (an LM head) streaming at small M
-        const char* next = n0 + 2 * NT <= N ? reinterpret_cast<const char*>(w + (n0 + NT) * K) : nullptr;
+        const char* next = n0 + 2 * NT > N ? nullptr
+                           : PK ? reinterpret_cast<const char*>(wtp + K2p16)
+                                : reinterpret_cast<const char*>(static_cast<const uint16_t*>(w) + (n0 + NT) * K);
         const int64_t pairs_end = ng / 2 * 2;
         for (int half = 0; half < 2; ++half) {
           const int nh = std::max(0, std::min(8, nn - 8 * half));
           for (int64_t g = 0; g < pairs_end && nh > 0; g += 2, next = nullptr)
-            tile_bf16<2, 8>(xp + g * gstride, gstride, wt + 8 * half * K, K, bias, out, M, N, (g0 + g) * 16,
-                            n0 + 8 * half, nh, next);
+            tile_bf16<2, 8, PK>(xp + g * gstride, gstride, half_rows(half), K, bias, out, M, N, (g0 + g) * 16,
+                                n0 + 8 * half, nh, next);
         }
         if (ng % 2)
-          tile_bf16<1, 16>(xp + pairs_end * gstride, gstride, wt, K, bias, out, M, N, (g0 + pairs_end) * 16, n0, nn,
-                           next);
+          tile_bf16<1, 16, PK>(xp + pairs_end * gstride, gstride, half_rows(0), K, bias, out, M, N,
+                               (g0 + pairs_end) * 16, n0, nn, next);
       }
     }
   }
@@ -442,6 +455,75 @@ static void skinny_bf16_ordered(const uint16_t* x, const uint16_t* w, const uint
     const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
     const __m512 b = load_bias(bias, n0, nmask);
     for (int m = 0; m < M; ++m) store_row(acc[m], b, nmask, out + m * N + n0);
+  }
+}
+
+// ---- bf16 weights packed by 16 rows ----
+// The packed layout (tidal/layers/cpu_kernels.py: pack_bf16_weight) holds a weight [N, K] as tiles of 16
+// rows, pair-interleaved: wpk[t][p][i] (32 bits) = the pair (w[16t + i, 2p], w[16t + i, 2p + 1]), with
+// zeros past N and past an odd K. One copy, the same bytes as the plain weight. Its 1-4 row kernel
+// puts the vector lanes over a tile's 16 weight rows (one 64-byte load per pair, no transpose) and
+// broadcasts each pair of x: every output is one lane accumulating the K pairs in order from zero, the
+// blocked kernel's order, so a row's bits never depend on the batch; several tiles' chains run side by
+// side to hide VDPBF16PS latency. More rows take gemm_bf16 over the same layout.
+
+// rows [0, M) of x (M <= 4) as pairs, zero-padded to an odd K's last pair
+template <int M>
+static void skinny_bf16_packed(const uint16_t* x, const uint32_t* wpk, const uint16_t* bias, uint16_t* out,
+                               int64_t N, int64_t K, int num_threads) {
+  const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
+  uint32_t xpairs[M][1024];  // K <= 2048 here (the caller checks); larger K takes the heap copy
+  std::vector<uint32_t> heap;
+  uint32_t* xp = &xpairs[0][0];
+  int64_t xstride = 1024;
+  if (pairs > 1024) {
+    heap.assign(M * pairs, 0);
+    xp = heap.data();
+    xstride = pairs;
+  }
+  for (int m = 0; m < M; ++m) {
+    xp[m * xstride + pairs - 1] = 0;
+    std::memcpy(xp + m * xstride, x + m * K, K * 2);
+  }
+  const int64_t tiles = (N + 15) / 16;
+  constexpr int TG = 1;  // tiles side by side: M * TG accumulators
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t t_begin = tiles * id / nt, t_end = tiles * (id + 1) / nt;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += TG) {
+      const int tg = (int)std::min<int64_t>(TG, t_end - t0);
+      const uint32_t* w0 = wpk + t0 * tstride;
+      __m512 acc[M][TG];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < TG; ++j) acc[m][j] = _mm512_setzero_ps();
+      if (tg == TG) {
+        const char* ahead = t0 + 2 * TG < t_end ? reinterpret_cast<const char*>(w0 + 2 * TG * tstride) : nullptr;
+        for (int64_t p = 0; p < pairs; ++p) {
+          if (ahead) _mm_prefetch(ahead + p * 64, _MM_HINT_T0);
+          __m512bh wv[TG];
+          for (int j = 0; j < TG; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w0 + j * tstride + p * 16);
+          for (int m = 0; m < M; ++m) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[m * xstride + p]);
+            for (int j = 0; j < TG; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+          }
+        }
+      } else {
+        for (int64_t p = 0; p < pairs; ++p)
+          for (int j = 0; j < tg; ++j) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w0 + j * tstride + p * 16);
+            for (int m = 0; m < M; ++m)
+              acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)_mm512_set1_epi32((int)xp[m * xstride + p]), wv);
+          }
+      }
+      for (int j = 0; j < tg; ++j) {
+        const int64_t n0 = (t0 + j) * 16;
+        const int nn = (int)std::min<int64_t>(16, N - n0);
+        const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
+        const __m512 b = load_bias(bias, n0, nmask);
+        for (int m = 0; m < M; ++m) store_row(acc[m][j], b, nmask, out + m * N + n0);
+      }
+    }
   }
 }
 #endif
@@ -519,11 +601,37 @@ int tidal_gemm_bf16(const void* x, const void* w, const void* bias, void* out, i
                     int num_threads) {
 #if defined(__AVX512BF16__)
   if (M < 1) return -1;
-  gemm_bf16(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(bias),
+  gemm_bf16<false>(static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(bias),
             static_cast<uint16_t*>(out), M, N, K, num_threads);
   return 0;
 #else
   (void)x; (void)w; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+
+// x [M, K] bf16, wpk the packed weight of [N, K] (see skinny_bf16_packed), bias [N] bf16 or null, out
+// [M, N] bf16; any M >= 1, and a row's bits are those of tidal_gemm_bf16 on the plain weight. Returns 0
+// when it ran, -1 when this build has no AVX-512 BF16.
+int tidal_gemm_bf16_packed(const void* x, const void* wpk, const void* bias, void* out, int64_t M, int64_t N,
+                           int64_t K, int num_threads) {
+#if defined(__AVX512BF16__)
+  auto xs = static_cast<const uint16_t*>(x);
+  auto ws = static_cast<const uint32_t*>(wpk);
+  auto bs = static_cast<const uint16_t*>(bias);
+  auto os = static_cast<uint16_t*>(out);
+  switch (M) {
+    case 1: skinny_bf16_packed<1>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 2: skinny_bf16_packed<2>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 3: skinny_bf16_packed<3>(xs, ws, bs, os, N, K, num_threads); return 0;
+    case 4: skinny_bf16_packed<4>(xs, ws, bs, os, N, K, num_threads); return 0;
+    default:
+      if (M < 1) return -1;
+      gemm_bf16<true>(xs, wpk, bs, os, M, N, K, num_threads);
+      return 0;
+  }
+#else
+  (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
   return -1;
 #endif
 }
