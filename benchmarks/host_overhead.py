@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--batch-invariant", action="store_true", help="batch-invariant mode (docs/batch_invariance.md)")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="batch-invariant mode (docs/batch_invariance.md); default: the engine's (on where supported)")
     args = ap.parse_args()
 
     from tidal import LLM, SamplingParams
@@ -79,7 +80,7 @@ def main() -> None:
     res["rss_mb"] = round(resident_bytes() / 2**20, 1)  # the engine's process (with the model, in one process)
     print("RESULT " + json.dumps({"workload": args.workload, "dtype": args.dtype,
                                   "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size,
-                                  "batch_invariant": args.batch_invariant, **res}),
+                                  "batch_invariant": llm.llm_engine.config.batch_invariant, **res}),
           flush=True)
 
 
