@@ -286,3 +286,86 @@ def test_the_simulation_schedules_as_the_engine_does(tiny_model_dir):
     assert stats.num_preemptions > 0, stats.num_preemptions
     assert (result.num_steps, result.num_preemptions) == (stats.num_steps, stats.num_preemptions), \
         (result.num_steps, result.num_preemptions)
+
+
+# -- served runs: one server's successive runs, the server's latency to the first token ------------------------
+
+def _served_device():
+    device = get_device("cpu")
+    device.serve_step_overhead, device.serve_request_overhead, device.serve_first_token_latency = 4e-3, 3e-4, 0.0
+    return device
+
+
+def test_a_later_run_finds_its_prompts_in_the_prefix_cache(smollm2):
+    """A Simulation keeps its engine between runs, as a server does between two benchmark runs: the same
+    prompts again compute only their last block, so the first token comes sooner; a fresh simulation
+    (simulate) starts with an empty cache every time."""
+    from tidal.planner.simulator import Simulation
+    from tidal.planner.workload import from_requests
+    reqs = [{"prompt_token_ids": [(7 * i + j) % 997 for j in range(128)], "max_tokens": 8} for i in range(6)]
+    settings = EngineSettings(max_model_len=2048, served=True)
+    device = _served_device()
+    sim = Simulation(smollm2, device, settings)
+    first = sim.run(from_requests(reqs, 4.0, 1.0, 0))
+    second = sim.run(from_requests(reqs, 4.0, 1.0, 0))
+    assert second.start_time == pytest.approx(first.end_time)  # its arrivals count from where the first ended
+    assert [r.num_cached_tokens for r in first.records] == [0] * 6
+    assert [r.num_cached_tokens for r in second.records] == [112] * 6  # 7 of the 8 blocks: the last is computed
+    assert second.prefix_hit_rate > 0.8 and first.prefix_hit_rate == 0.0
+    cold, warm = summarize(first), summarize(second)
+    assert warm["mean_ttft_ms"] < 0.6 * cold["mean_ttft_ms"], (warm["mean_ttft_ms"], cold["mean_ttft_ms"])
+    assert warm["duration_s"] == pytest.approx(second.end_time - second.start_time)
+    again = summarize(simulate(smollm2, device, from_requests(reqs, 4.0, 1.0, 0), settings))
+    assert again["mean_ttft_ms"] == pytest.approx(cold["mean_ttft_ms"])
+
+
+def test_the_served_first_token_latency(smollm2):
+    """Served, a request reaches the engine the server's first-token latency after it is sent: a lone
+    request's TTFT is that latency plus its prompt step, and its TPOT does not change; offline it is not
+    charged."""
+    from tidal.planner.workload import from_requests
+    device = _served_device()
+    reqs = from_requests([{"prompt_token_ids": list(range(100)), "max_tokens": 16}])
+    served = EngineSettings(max_model_len=2048, served=True)
+    before = summarize(simulate(smollm2, device, reqs, served))
+    device.serve_first_token_latency = 0.025
+    after = summarize(simulate(smollm2, device, reqs, served))
+    assert after["mean_ttft_ms"] - before["mean_ttft_ms"] == pytest.approx(25.0, rel=1e-6)
+    assert after["mean_tpot_ms"] == pytest.approx(before["mean_tpot_ms"], rel=1e-9)
+    step = CostModel(smollm2, device, served=True).step_time(StepShape.of([(100, 0, True)]))
+    assert after["mean_ttft_ms"] == pytest.approx(25.0 + step * 1e3, rel=1e-6)
+    offline = summarize(simulate(smollm2, device, reqs, EngineSettings(max_model_len=2048)))
+    assert offline["mean_ttft_ms"] < before["mean_ttft_ms"]  # neither the latency nor the server's step cost
+
+
+def test_a_serve_sweep_is_simulated_as_it_runs(smollm2):
+    """serve_sweep.py's warm-up sends the set's first 4 requests; the first rate then finds those 4 prompts
+    cached and computes the rest, the next rate finds all of them cached."""
+    from tidal.benchmarks import datasets
+    from tidal.planner.calibrate import simulate_sweep
+    reqs = datasets.random_requests(8, (128, 128), (8, 8), 0)
+    first, second = simulate_sweep(smollm2, _served_device(), [(reqs, 4.0, 1.0), (reqs, 8.0, 1.0)])
+    assert [r.num_cached_tokens for r in first.records] == [112] * 4 + [0] * 4
+    assert [r.num_cached_tokens for r in second.records] == [112] * 8
+
+
+def test_the_serving_fit_recovers_the_figures_that_produced_the_runs(smollm2):
+    """Served runs simulated with known server figures (the benchmark's results: mean TPOT and TTFT) give
+    those figures back: the costs per step and per request of a step from the TPOTs, the latency from the
+    TTFTs."""
+    from tidal.benchmarks import datasets
+    from tidal.planner.calibrate import fit_serve, simulate_sweep
+    truth = _served_device()
+    truth.serve_first_token_latency = 0.012
+    results = []
+    runs = [(datasets.random_requests(12, (64, 64), (16, 16), 0), rate, 1.0) for rate in (0.5, 6.0)]
+    for (reqs, rate, _), sim in zip(runs, simulate_sweep(smollm2, truth, runs)):
+        s = summarize(sim)
+        results.append({"num_prompts": 12, "total_input_tokens": 12 * 64, "total_output_tokens": 12 * 16,
+                        "request_rate": rate, "burstiness": 1.0, "mean_tpot_ms": s["mean_tpot_ms"],
+                        "mean_ttft_ms": s["mean_ttft_ms"]})
+    device = get_device("cpu")
+    step, request, latency = fit_serve(smollm2, device, results)
+    assert step == pytest.approx(4e-3, rel=0.05) and request == pytest.approx(3e-4, rel=0.15)
+    assert latency == pytest.approx(0.012, abs=1e-3)
+    assert device.serve_first_token_latency == latency
