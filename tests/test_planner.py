@@ -349,23 +349,43 @@ def test_a_serve_sweep_is_simulated_as_it_runs(smollm2):
     assert [r.num_cached_tokens for r in second.records] == [112] * 8
 
 
+def test_a_served_step_off_the_skinny_gemm_costs_more(smollm2):
+    """Served, a step whose products leave the skinny GEMM (a decode of more requests than skinny_max_rows,
+    or any step with a prompt) pays the wide step's cost on top of the per-step one; offline neither."""
+    device = _served_device()
+    device.serve_wide_step_overhead, device.skinny_max_rows = 6e-3, 4
+    offline, served = CostModel(smollm2, device), CostModel(smollm2, device, served=True)
+
+    def extra(requests):
+        shape = StepShape.of(requests)
+        return served.step_time(shape) - offline.step_time(shape)
+    assert extra([(1, 100, True)] * 4) == pytest.approx(4e-3 + 4 * 3e-4, rel=1e-6)
+    assert extra([(1, 100, True)] * 5) == pytest.approx(4e-3 + 5 * 3e-4 + 6e-3, rel=1e-6)
+    assert extra([(3, 0, True)]) == pytest.approx(4e-3 + 3e-4 + 6e-3, rel=1e-6)  # a prompt of 3 tokens
+    device.skinny_max_rows = 0  # no skinny kernel: every step is a wide one
+    assert extra([(1, 100, True)]) == pytest.approx(4e-3 + 3e-4 + 6e-3, rel=1e-6)
+
+
 def test_the_serving_fit_recovers_the_figures_that_produced_the_runs(smollm2):
     """Served runs simulated with known server figures (the benchmark's results: mean TPOT and TTFT) give
-    those figures back: the costs per step and per request of a step from the TPOTs, the latency from the
-    TTFTs."""
+    those figures back: the cost per step and the wide step's from the TPOTs (a low rate: mostly skinny
+    decodes; a high one: wider batches), the latency from the TTFTs."""
     from tidal.benchmarks import datasets
     from tidal.planner.calibrate import fit_serve, simulate_sweep
     truth = _served_device()
+    truth.serve_request_overhead, truth.serve_wide_step_overhead, truth.skinny_max_rows = 0.0, 6e-3, 4
     truth.serve_first_token_latency = 0.012
     results = []
-    runs = [(datasets.random_requests(12, (64, 64), (16, 16), 0), rate, 1.0) for rate in (0.5, 6.0)]
+    runs = [(datasets.random_requests(16, (64, 64), (16, 16), 0), rate, 1.0) for rate in (0.5, 12.0)]
     for (reqs, rate, _), sim in zip(runs, simulate_sweep(smollm2, truth, runs)):
         s = summarize(sim)
-        results.append({"num_prompts": 12, "total_input_tokens": 12 * 64, "total_output_tokens": 12 * 16,
+        results.append({"num_prompts": 16, "total_input_tokens": 16 * 64, "total_output_tokens": 16 * 16,
                         "request_rate": rate, "burstiness": 1.0, "mean_tpot_ms": s["mean_tpot_ms"],
                         "mean_ttft_ms": s["mean_ttft_ms"]})
     device = get_device("cpu")
-    step, request, latency = fit_serve(smollm2, device, results)
-    assert step == pytest.approx(4e-3, rel=0.05) and request == pytest.approx(3e-4, rel=0.15)
+    device.skinny_max_rows = 4
+    step, wide, latency = fit_serve(smollm2, device, results)
+    assert step == pytest.approx(4e-3, rel=0.05) and wide == pytest.approx(6e-3, rel=0.05)
+    assert device.serve_request_overhead == 0.0 and device.serve_wide_step_overhead == wide
     assert latency == pytest.approx(0.012, abs=1e-3)
     assert device.serve_first_token_latency == latency

@@ -270,20 +270,24 @@ def serve_runs(results: list[dict]) -> list[tuple[list[dict], float, float]]:
 
 def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
               max_model_len: int = 2048) -> tuple[float, float, float]:
-    """The server's cost per step and per request of a step, and its first-token latency per request, from
-    the results of one benchmarks/serve_sweep.py run (random dataset; in the order it ran them) against
-    the simulation of the same runs on one server (simulate_sweep: its warm-up, then each run, the prefix
-    cache kept between them). The two costs: each result's measured mean TPOT less the simulated one,
-    solved for the two figures (one result: the per-step figure alone) by a few Newton steps on the
-    simulated TPOTs (the queueing the costs add is simulated, not assumed). The latency: the measured mean
-    TTFT less the simulated one, averaged over the results."""
+    """The server's two costs per step and its first-token latency per request, from the results of one
+    benchmarks/serve_sweep.py run (random dataset; in the order it ran them) against the simulation of
+    the same runs on one server (simulate_sweep: its warm-up, then each run, the prefix cache kept
+    between them). The costs: a cost per step, and more per step whose products leave the skinny GEMM
+    (with a device that has one; else more per request of a step), solved so that the simulated mean
+    TPOTs match the measured ones (a few Newton steps on the simulation, so the queueing the costs add is
+    simulated, not assumed; one result: the per-step cost alone). The latency: the measured mean TTFT
+    less the simulated one, averaged over the results. Returns (per step, the second cost, latency)."""
     import numpy as np
 
     from tidal.planner import report
     runs = serve_runs(results)
+    second = "serve_wide_step_overhead" if device.skinny_max_rows > 0 else "serve_request_overhead"
+    device.serve_request_overhead = device.serve_wide_step_overhead = 0.0
 
     def summaries(x: np.ndarray) -> list[dict]:
-        device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
+        device.serve_step_overhead = float(x[0])
+        setattr(device, second, float(x[1]))
         return [report.summarize(r) for r in simulate_sweep(profile, device, runs, max_model_len)]
 
     def tpots(x: np.ndarray) -> np.ndarray:
@@ -302,7 +306,8 @@ def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
         simulated = np.array([s["mean_ttft_ms"] / 1e3 for s in summaries(x)])
         device.serve_first_token_latency = max(0.0, device.serve_first_token_latency
                                                + float(np.mean(ttfts - simulated)))
-    device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
+    device.serve_step_overhead = float(x[0])
+    setattr(device, second, float(x[1]))
     return float(x[0]), float(x[1]), device.serve_first_token_latency
 
 
@@ -314,6 +319,7 @@ def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model
     m = measurements or measure(model, **kwargs)
     profile = profile_model(model, dtype="bfloat16")
     device, notes = fit(profile, m)
+    device.skinny_max_rows = _skinny_max_rows()
     if serve_result:
         results = []
         for path in serve_result:
@@ -325,7 +331,7 @@ def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model
     keys = ("peak_flops", "memory_bandwidth", "attention_seconds_per_kv_byte", "attention_seconds_per_cached_kv_byte",
             "attention_flops", "step_overhead",
             "layer_overhead", "request_overhead", "token_overhead", "serve_step_overhead", "serve_request_overhead",
-            "serve_first_token_latency")
+            "serve_wide_step_overhead", "serve_first_token_latency", "skinny_max_rows")
     return {
         "base": "cpu", "name": f"cpu ({platform.node()}, {torch.get_num_threads()} threads)",
         "memory_bytes": _memory_bytes(), **{k: getattr(device, k) for k in keys},
@@ -343,6 +349,13 @@ def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model
                      "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "notes": notes,
     }
+
+
+def _skinny_max_rows() -> int:
+    """Decodes of up to this many requests run their products on the skinny GEMM (bf16 on AVX-512 BF16:
+    tidal.layers.linear); 0 where the native GEMM library is not available."""
+    from tidal.layers import cpu_kernels
+    return cpu_kernels.SKINNY_MAX_ROWS if cpu_kernels.gemm_lib() is not None else 0
 
 
 def _memory_bytes() -> int:
@@ -365,6 +378,7 @@ def main(args) -> int:
           f"{(result['attention_flops'] or 0) / 1e9:.1f} GFLOP/s; repeated KV reads "
           f"{result['attention_seconds_per_cached_kv_byte'] * 1e12:.1f} ps per byte; served: "
           f"{result['serve_step_overhead'] * 1e3:.2f} ms per step + "
+          f"{result['serve_wide_step_overhead'] * 1e3:.2f} ms more per step off the skinny GEMM + "
           f"{result['serve_request_overhead'] * 1e6:.0f} us per request of a step, "
           f"{result['serve_first_token_latency'] * 1e3:.1f} ms to each request's first token")
     check = result["measured"]["check_prefill_step_s"]
