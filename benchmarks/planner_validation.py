@@ -13,7 +13,10 @@ Workloads (the benchmarks' own request sets and settings):
 - serve at 2, 4 and 8 req/s: benchmarks/serve_sweep.py (`tidal serve`, then `tidal bench serve`: 32 requests of
   128 random tokens, 64 out, Poisson arrivals with seed 0, max_model_len 2048).
 Each row prints predicted, measured and the error (predicted / measured - 1). The serve rows are simulated as
-served (the calibration's server cost per step and per request); offline and shared_prefix are not.
+served (the calibration's server cost per step and per request of a step, and its latency to a request's first
+token) and as serve_sweep.py runs them: one server, its warm-up (the first 4 requests), then the rates in order,
+each run after `tidal bench serve`'s probe; every run draws the same requests (seed 0), so from the second rate
+on every prompt but its last block is found in the prefix cache. offline and shared_prefix are not served.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ sys.path.insert(0, ROOT)  # this checkout's tidal, whatever is installed
 
 from tidal.benchmarks import datasets  # noqa: E402
 from tidal.planner import report, workload  # noqa: E402
+from tidal.planner.calibrate import simulate_sweep  # noqa: E402
 from tidal.planner.devices import load_calibration  # noqa: E402
 from tidal.planner.model import profile_model  # noqa: E402
 from tidal.planner.simulator import EngineSettings, simulate  # noqa: E402
@@ -48,10 +52,11 @@ def predict(model: str, calibration: str, rates: list[float]) -> dict:
                      "mean_ttft_ms": s["mean_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"], "steps": s["num_steps"]}
     serve_requests = datasets.random_requests(SERVE["num_prompts"], (SERVE["input_len"],) * 2,
                                               (SERVE["output_len"],) * 2, 0)
-    for rate in rates:
-        reqs = workload.from_requests(serve_requests, rate, 1.0, 0)
-        settings = EngineSettings(max_model_len=SERVE["max_model_len"], served=True)  # under `tidal serve`
-        s = report.summarize(simulate(profile, device, reqs, settings))
+    # under `tidal serve`, as serve_sweep.py runs the rates: one server, its warm-up, then each rate in order
+    # (the same seed each time: the later runs find their prompts in the prefix cache)
+    runs = simulate_sweep(profile, device, [(serve_requests, rate, 1.0) for rate in rates], SERVE["max_model_len"])
+    for rate, run in zip(rates, runs):
+        s = report.summarize(run)
         out[f"serve {rate:g} req/s"] = {
             "output_tok_s": s["output_throughput"], "mean_ttft_ms": s["mean_ttft_ms"], "p99_ttft_ms": s["p99_ttft_ms"],
             "mean_tpot_ms": s["mean_tpot_ms"], "p99_tpot_ms": s["p99_tpot_ms"]}

@@ -286,3 +286,106 @@ def test_the_simulation_schedules_as_the_engine_does(tiny_model_dir):
     assert stats.num_preemptions > 0, stats.num_preemptions
     assert (result.num_steps, result.num_preemptions) == (stats.num_steps, stats.num_preemptions), \
         (result.num_steps, result.num_preemptions)
+
+
+# -- served runs: one server's successive runs, the server's latency to the first token ------------------------
+
+def _served_device():
+    device = get_device("cpu")
+    device.serve_step_overhead, device.serve_request_overhead, device.serve_first_token_latency = 4e-3, 3e-4, 0.0
+    return device
+
+
+def test_a_later_run_finds_its_prompts_in_the_prefix_cache(smollm2):
+    """A Simulation keeps its engine between runs, as a server does between two benchmark runs: the same
+    prompts again compute only their last block, so the first token comes sooner; a fresh simulation
+    (simulate) starts with an empty cache every time."""
+    from tidal.planner.simulator import Simulation
+    from tidal.planner.workload import from_requests
+    reqs = [{"prompt_token_ids": [(7 * i + j) % 997 for j in range(128)], "max_tokens": 8} for i in range(6)]
+    settings = EngineSettings(max_model_len=2048, served=True)
+    device = _served_device()
+    sim = Simulation(smollm2, device, settings)
+    first = sim.run(from_requests(reqs, 4.0, 1.0, 0))
+    second = sim.run(from_requests(reqs, 4.0, 1.0, 0))
+    assert second.start_time == pytest.approx(first.end_time)  # its arrivals count from where the first ended
+    assert [r.num_cached_tokens for r in first.records] == [0] * 6
+    assert [r.num_cached_tokens for r in second.records] == [112] * 6  # 7 of the 8 blocks: the last is computed
+    assert second.prefix_hit_rate > 0.8 and first.prefix_hit_rate == 0.0
+    cold, warm = summarize(first), summarize(second)
+    assert warm["mean_ttft_ms"] < 0.6 * cold["mean_ttft_ms"], (warm["mean_ttft_ms"], cold["mean_ttft_ms"])
+    assert warm["duration_s"] == pytest.approx(second.end_time - second.start_time)
+    again = summarize(simulate(smollm2, device, from_requests(reqs, 4.0, 1.0, 0), settings))
+    assert again["mean_ttft_ms"] == pytest.approx(cold["mean_ttft_ms"])
+
+
+def test_the_served_first_token_latency(smollm2):
+    """Served, a request reaches the engine the server's first-token latency after it is sent: a lone
+    request's TTFT is that latency plus its prompt step, and its TPOT does not change; offline it is not
+    charged."""
+    from tidal.planner.workload import from_requests
+    device = _served_device()
+    reqs = from_requests([{"prompt_token_ids": list(range(100)), "max_tokens": 16}])
+    served = EngineSettings(max_model_len=2048, served=True)
+    before = summarize(simulate(smollm2, device, reqs, served))
+    device.serve_first_token_latency = 0.025
+    after = summarize(simulate(smollm2, device, reqs, served))
+    assert after["mean_ttft_ms"] - before["mean_ttft_ms"] == pytest.approx(25.0, rel=1e-6)
+    assert after["mean_tpot_ms"] == pytest.approx(before["mean_tpot_ms"], rel=1e-9)
+    step = CostModel(smollm2, device, served=True).step_time(StepShape.of([(100, 0, True)]))
+    assert after["mean_ttft_ms"] == pytest.approx(25.0 + step * 1e3, rel=1e-6)
+    offline = summarize(simulate(smollm2, device, reqs, EngineSettings(max_model_len=2048)))
+    assert offline["mean_ttft_ms"] < before["mean_ttft_ms"]  # neither the latency nor the server's step cost
+
+
+def test_a_serve_sweep_is_simulated_as_it_runs(smollm2):
+    """serve_sweep.py's warm-up sends the set's first 4 requests; the first rate then finds those 4 prompts
+    cached and computes the rest, the next rate finds all of them cached."""
+    from tidal.benchmarks import datasets
+    from tidal.planner.calibrate import simulate_sweep
+    reqs = datasets.random_requests(8, (128, 128), (8, 8), 0)
+    first, second = simulate_sweep(smollm2, _served_device(), [(reqs, 4.0, 1.0), (reqs, 8.0, 1.0)])
+    assert [r.num_cached_tokens for r in first.records] == [112] * 4 + [0] * 4
+    assert [r.num_cached_tokens for r in second.records] == [112] * 8
+
+
+def test_a_served_step_off_the_skinny_gemm_costs_more(smollm2):
+    """Served, a step whose products leave the skinny GEMM (a decode of more requests than skinny_max_rows,
+    or any step with a prompt) pays the wide step's cost on top of the per-step one; offline neither."""
+    device = _served_device()
+    device.serve_wide_step_overhead, device.skinny_max_rows = 6e-3, 4
+    offline, served = CostModel(smollm2, device), CostModel(smollm2, device, served=True)
+
+    def extra(requests):
+        shape = StepShape.of(requests)
+        return served.step_time(shape) - offline.step_time(shape)
+    assert extra([(1, 100, True)] * 4) == pytest.approx(4e-3 + 4 * 3e-4, rel=1e-6)
+    assert extra([(1, 100, True)] * 5) == pytest.approx(4e-3 + 5 * 3e-4 + 6e-3, rel=1e-6)
+    assert extra([(3, 0, True)]) == pytest.approx(4e-3 + 3e-4 + 6e-3, rel=1e-6)  # a prompt of 3 tokens
+    device.skinny_max_rows = 0  # no skinny kernel: every step is a wide one
+    assert extra([(1, 100, True)]) == pytest.approx(4e-3 + 3e-4 + 6e-3, rel=1e-6)
+
+
+def test_the_serving_fit_recovers_the_figures_that_produced_the_runs(smollm2):
+    """Served runs simulated with known server figures (the benchmark's results: mean TPOT and TTFT) give
+    those figures back: the cost per step and the wide step's from the TPOTs (a low rate: mostly skinny
+    decodes; a high one: wider batches), the latency from the TTFTs."""
+    from tidal.benchmarks import datasets
+    from tidal.planner.calibrate import fit_serve, simulate_sweep
+    truth = _served_device()
+    truth.serve_request_overhead, truth.serve_wide_step_overhead, truth.skinny_max_rows = 0.0, 6e-3, 4
+    truth.serve_first_token_latency = 0.012
+    results = []
+    runs = [(datasets.random_requests(16, (64, 64), (16, 16), 0), rate, 1.0) for rate in (0.5, 12.0)]
+    for (reqs, rate, _), sim in zip(runs, simulate_sweep(smollm2, truth, runs)):
+        s = summarize(sim)
+        results.append({"num_prompts": 16, "total_input_tokens": 16 * 64, "total_output_tokens": 16 * 16,
+                        "request_rate": rate, "burstiness": 1.0, "mean_tpot_ms": s["mean_tpot_ms"],
+                        "mean_ttft_ms": s["mean_ttft_ms"]})
+    device = get_device("cpu")
+    device.skinny_max_rows = 4
+    step, wide, latency = fit_serve(smollm2, device, results)
+    assert step == pytest.approx(4e-3, rel=0.05) and wide == pytest.approx(6e-3, rel=0.05)
+    assert device.serve_request_overhead == 0.0 and device.serve_wide_step_overhead == wide
+    assert latency == pytest.approx(0.012, abs=1e-3)
+    assert device.serve_first_token_latency == latency

@@ -17,10 +17,14 @@ benchmarks use:
   what the figures above predict for their linear layers, give a cost per token (elementwise layers,
   inputs) and attention's FLOP rate on prompts.
 A prompt of half the long context is then timed and predicted, as a check of figures not fitted on it.
-- serving (optional, --serve-result): a `tidal bench serve` run at a low rate against `tidal serve` on this
-  machine; the same requests are simulated offline with the figures above, and the measured mean TPOT's
-  excess over the simulated one is the server's cost per engine step (HTTP, detokenization and streaming
-  share the host with the engine), applied when a plan is for a served workload.
+- serving (optional, --serve-result): the `tidal bench serve` results of one benchmarks/serve_sweep.py run
+  against `tidal serve` on this machine (a low and a high rate, in the order they ran); the same runs are
+  simulated as the sweep makes them (one server: its warm-up, then each rate, the prefix cache kept
+  between them, so a later rate finds its prompts cached) with the figures above, and the measured mean
+  TPOTs' excess over the simulated ones gives the server's cost per engine step and per request of a
+  step (HTTP, detokenization and streaming share the host with the engine), the mean TTFTs' excess its
+  latency to a request's first token (the request's way in and its first chunk's way out); both are
+  applied when a plan is for a served workload.
 
     tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --output cpu.json
 """
@@ -227,39 +231,84 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
     return device, notes
 
 
-def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
-              max_model_len: int = 2048) -> tuple[float, float]:
-    """The server's cost per step and per request of a step, from `tidal bench serve` results (random
-    dataset) against the simulation of the same requests: each result's measured mean TPOT less the
-    simulated one, solved for the two figures (one result: the per-step figure alone) by a few
-    Newton steps on the simulated TPOTs (the queueing the costs add is simulated, not assumed)."""
-    import numpy as np
+SWEEP_WARMUP = 4     # benchmarks/serve_sweep.py's warm-up: the first 4 requests of the set, all at once
+PROBE_TOKENS = 16    # `tidal bench serve`'s probe before each run: the first prompt's first 16 tokens, 2 out
 
+
+def simulate_sweep(profile: ModelProfile, device: Device, runs: list[tuple[list[dict], float, float]],
+                   max_model_len: int = 2048, warmup: int = SWEEP_WARMUP) -> list:
+    """benchmarks/serve_sweep.py's runs, simulated as it makes them: one server (one engine, its prefix
+    cache kept from run to run), first its warm-up (`warmup` requests of the first run's set, all at once),
+    then each run (requests, rate, burstiness) in order; `tidal bench serve` sends its probe before each
+    (warm-up included) and draws arrivals with seed 0. The runs' requests share their seed, so a run's
+    prompts that an earlier run (or the warm-up) sent are found in the prefix cache: all but their last
+    block's tokens are cached. Returns the SimResult of each run."""
+    from tidal.planner import workload
+    from tidal.planner.simulator import EngineSettings, Simulation
+    sim = Simulation(profile, device, EngineSettings(max_model_len=max_model_len, served=True))
+
+    def bench(requests: list[dict], rate: float, burstiness: float):
+        sim.run([workload.SimRequest(0.0, list(requests[0]["prompt_token_ids"][:PROBE_TOKENS]), 2)])
+        return sim.run(workload.from_requests(requests, rate, burstiness, 0))
+    if warmup and runs:
+        bench(runs[0][0][:warmup], float("inf"), 1.0)
+    return [bench(*run) for run in runs]
+
+
+def serve_runs(results: list[dict]) -> list[tuple[list[dict], float, float]]:
+    """The requests of `tidal bench serve` results (random dataset, fixed lengths, seed 0), with each
+    run's rate and burstiness."""
     from tidal.benchmarks import datasets
-    from tidal.planner import report, workload
-    from tidal.planner.simulator import EngineSettings, simulate
     runs = []
     for result in results:
         n = result["num_prompts"]
         in_len, out_len = result["total_input_tokens"] // n, result["total_output_tokens"] // n
-        runs.append((workload.from_requests(datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, 0),
-                                            result["request_rate"], result.get("burstiness") or 1.0, 0),
-                     result["mean_tpot_ms"] / 1e3))
+        runs.append((datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, 0), result["request_rate"],
+                     result.get("burstiness") or 1.0))
+    return runs
+
+
+def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
+              max_model_len: int = 2048) -> tuple[float, float, float]:
+    """The server's two costs per step and its first-token latency per request, from the results of one
+    benchmarks/serve_sweep.py run (random dataset; in the order it ran them) against the simulation of
+    the same runs on one server (simulate_sweep: its warm-up, then each run, the prefix cache kept
+    between them). The costs: a cost per step, and more per step whose products leave the skinny GEMM
+    (with a device that has one; else more per request of a step), solved so that the simulated mean
+    TPOTs match the measured ones (a few Newton steps on the simulation, so the queueing the costs add is
+    simulated, not assumed; one result: the per-step cost alone). The latency: the measured mean TTFT
+    less the simulated one, averaged over the results. Returns (per step, the second cost, latency)."""
+    import numpy as np
+
+    from tidal.planner import report
+    runs = serve_runs(results)
+    second = "serve_wide_step_overhead" if device.skinny_max_rows > 0 else "serve_request_overhead"
+    device.serve_request_overhead = device.serve_wide_step_overhead = 0.0
+
+    def summaries(x: np.ndarray) -> list[dict]:
+        device.serve_step_overhead = float(x[0])
+        setattr(device, second, float(x[1]))
+        return [report.summarize(r) for r in simulate_sweep(profile, device, runs, max_model_len)]
 
     def tpots(x: np.ndarray) -> np.ndarray:
-        device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
-        return np.array([report.summarize(simulate(profile, device, reqs, EngineSettings(
-            max_model_len=max_model_len, served=True)))["mean_tpot_ms"] / 1e3 for reqs, _ in runs])
-    target = np.array([t for _, t in runs])
+        return np.array([s["mean_tpot_ms"] / 1e3 for s in summaries(x)])
+    target = np.array([r["mean_tpot_ms"] / 1e3 for r in results])
+    ttfts = np.array([r["mean_ttft_ms"] / 1e3 for r in results])
     k = 2 if len(runs) > 1 else 1
     x = np.zeros(2)
-    for _ in range(3):
-        y = tpots(x)
-        jac = np.stack([(tpots(x + d) - y) / d[i] for i, d in enumerate(np.eye(2)[:k] * 1e-3)], axis=1)
-        x[:k] += np.linalg.lstsq(jac, target - y, rcond=None)[0]
-        x = np.maximum(x, 0.0)
-    device.serve_step_overhead, device.serve_request_overhead = float(x[0]), float(x[1])
-    return float(x[0]), float(x[1])
+    device.serve_first_token_latency = 0.0
+    for _ in range(2):  # the latency moves arrivals a little, and so the steps: the costs again with it
+        for _ in range(3):
+            y = tpots(x)
+            jac = np.stack([(tpots(x + d) - y) / d[i] for i, d in enumerate(np.eye(2)[:k] * 1e-3)], axis=1)
+            x[:k] += np.linalg.lstsq(jac, target - y, rcond=None)[0]
+            x = np.maximum(x, 0.0)
+        simulated = np.array([s["mean_ttft_ms"] / 1e3 for s in summaries(x)])
+        device.serve_first_token_latency = max(0.0, device.serve_first_token_latency
+                                               + float(np.mean(ttfts - simulated)))
+    device.serve_step_overhead = float(x[0])
+    setattr(device, second, float(x[1]))
+    return float(x[0]), float(x[1]), device.serve_first_token_latency
 
 
 def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model_len: int = 2048,
@@ -270,6 +319,7 @@ def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model
     m = measurements or measure(model, **kwargs)
     profile = profile_model(model, dtype="bfloat16")
     device, notes = fit(profile, m)
+    device.skinny_max_rows = _skinny_max_rows()
     if serve_result:
         results = []
         for path in serve_result:
@@ -280,7 +330,8 @@ def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model
     predicted_check = CostModel(profile, device).step_time(StepShape.of([(check, 0, True)]))
     keys = ("peak_flops", "memory_bandwidth", "attention_seconds_per_kv_byte", "attention_seconds_per_cached_kv_byte",
             "attention_flops", "step_overhead",
-            "layer_overhead", "request_overhead", "token_overhead", "serve_step_overhead", "serve_request_overhead")
+            "layer_overhead", "request_overhead", "token_overhead", "serve_step_overhead", "serve_request_overhead",
+            "serve_wide_step_overhead", "serve_first_token_latency", "skinny_max_rows")
     return {
         "base": "cpu", "name": f"cpu ({platform.node()}, {torch.get_num_threads()} threads)",
         "memory_bytes": _memory_bytes(), **{k: getattr(device, k) for k in keys},
@@ -298,6 +349,13 @@ def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model
                      "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "notes": notes,
     }
+
+
+def _skinny_max_rows() -> int:
+    """Decodes of up to this many requests run their products on the skinny GEMM (bf16 on AVX-512 BF16:
+    tidal.layers.linear); 0 where the native GEMM library is not available."""
+    from tidal.layers import cpu_kernels
+    return cpu_kernels.SKINNY_MAX_ROWS if cpu_kernels.gemm_lib() is not None else 0
 
 
 def _memory_bytes() -> int:
@@ -320,7 +378,9 @@ def main(args) -> int:
           f"{(result['attention_flops'] or 0) / 1e9:.1f} GFLOP/s; repeated KV reads "
           f"{result['attention_seconds_per_cached_kv_byte'] * 1e12:.1f} ps per byte; served: "
           f"{result['serve_step_overhead'] * 1e3:.2f} ms per step + "
-          f"{result['serve_request_overhead'] * 1e6:.0f} us per request")
+          f"{result['serve_wide_step_overhead'] * 1e3:.2f} ms more per step off the skinny GEMM + "
+          f"{result['serve_request_overhead'] * 1e6:.0f} us per request of a step, "
+          f"{result['serve_first_token_latency'] * 1e3:.1f} ms to each request's first token")
     check = result["measured"]["check_prefill_step_s"]
     print(f"check: a {check['tokens']}-token prefill step took {check['measured'] * 1e3:.1f} ms, predicted "
           f"{check['predicted'] * 1e3:.1f} ms")

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     e.add_argument("--served", action=argparse.BooleanOptionalAction, default=None,
-                   help="cost the server's own work per step (a calibration's serve_step_overhead): default on, "
+                   help="cost the server's own work (a calibration's serve_* figures: per step, and its latency to "
+                        "each first token): default on, "
                         "off for --workload offline/shared_prefix (the offline engine)")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=256)
@@ -85,9 +86,10 @@ def register(subparsers) -> None:
     c.add_argument("--repeats", type=int, default=5)
     c.add_argument("--wide", type=int, default=64, help="the wide decode batch (per-request cost, shared prefix)")
     c.add_argument("--serve-result", nargs="+", default=None,
-                   help="JSON of `tidal bench serve` runs against `tidal serve` on this machine (random dataset, as "
-                        "benchmarks/serve_sweep.py runs it): one low rate fits the server's cost per step; two "
-                        "rates (low and high) its cost per step and per request of a step")
+                   help="JSON of `tidal bench serve` runs against `tidal serve` on this machine: the entries of one "
+                        "benchmarks/serve_sweep.py run (random dataset), in the order it ran them; one low rate fits "
+                        "the server's cost per step, two rates (low and high) also its extra cost per step off the "
+                        "skinny GEMM; and its latency to a request's first token")
     c.add_argument("--serve-max-model-len", type=int, default=2048, help="the served engine's max_model_len")
     c.set_defaults(func=_calibrate)
 

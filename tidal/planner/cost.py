@@ -16,8 +16,10 @@ runs them one after the other):
   step) and pass [tokens, hidden] between them;
 - host overhead: per step, per layer (kernel launches), per scheduled request (greedy sampling, outputs)
   and per token (elementwise work and inputs; measured on CPU); under `tidal serve` (served=True) a
-  further cost per step and per request of the step (the HTTP server, detokenization and streaming
-  share the host with the engine; calibrated from a served run).
+  further cost per step and per request of the step, and more per step whose products leave the skinny
+  GEMM (a prompt, or a decode of more requests than the device's skinny_max_rows): the HTTP server,
+  detokenization and streaming share the host with the engine, and on CPU a step on the blocked GEMM
+  loses more to them than a skinny decode (calibrated from served runs).
 """
 from __future__ import annotations
 
@@ -87,7 +89,14 @@ class CostModel:
             + d.token_overhead * shape.num_tokens
         if self.served:
             out["overhead"] += d.serve_step_overhead + d.serve_request_overhead * shape.num_seqs
+            if not self.skinny(shape):
+                out["overhead"] += d.serve_wide_step_overhead
         return out
+
+    def skinny(self, shape: StepShape) -> bool:
+        """Whether the step's products run on the skinny GEMM: a decode (one token per request) of at most
+        the device's skinny_max_rows requests; a step with a prompt never does."""
+        return shape.num_tokens == shape.num_seqs <= self.device.skinny_max_rows
 
     def step_time(self, shape: StepShape) -> float:
         return sum(self.breakdown(shape).values())

@@ -34,6 +34,14 @@ class Device:
     # under `tidal serve`: the server's own work (HTTP, detokenization, streaming) per step and per request
     serve_step_overhead: float = 0.0
     serve_request_overhead: float = 0.0
+    # ... and more per step whose linear products leave the skinny kernel (a prompt, or a decode of more than
+    # skinny_max_rows requests): on CPU such a step loses more to the server's threads sharing its cores
+    serve_wide_step_overhead: float = 0.0
+    skinny_max_rows: int = 0              # decodes of up to this many requests: the skinny GEMM (CPU: 4); 0: none
+    # under `tidal serve`: a request's time in the server outside the engine's steps before its first token
+    # reaches the client (HTTP parsing, validation and tokenization on the way in, the first chunk on the way
+    # out, and the host time its handling takes from the step running meanwhile); charged once per request
+    serve_first_token_latency: float = 0.0
     # measured (calibration file): achieved GEMM FLOP/s at a number of rows, and attention time per KV byte read
     gemm_flops_by_rows: dict[int, float] = field(default_factory=dict)
     attention_seconds_per_kv_byte: float | None = None

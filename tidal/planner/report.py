@@ -17,18 +17,18 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def summarize(result: SimResult) -> dict:
-    """Latencies in ms, throughputs per second of simulated time (from t = 0 to the last finish, as
-    `tidal bench serve` measures its duration)."""
+    """Latencies in ms, throughputs per second of simulated time (from the run's start to the last finish,
+    as `tidal bench serve` measures its duration)."""
     if not result.plan.fits:
         return {"fits": False, "reason": result.plan.reason}
     recs = [r for r in result.records if r.finish_time is not None]
     ttft = [(r.first_token_time - r.arrival_time) * 1e3 for r in recs]
     tpot = [(r.finish_time - r.first_token_time) * 1e3 / (r.output_len - 1) for r in recs if r.output_len > 1]
     e2e = [(r.finish_time - r.arrival_time) * 1e3 for r in recs]
-    duration = result.end_time or 1e-9
+    duration = (result.end_time - result.start_time) or 1e-9
     out_tokens = sum(r.output_len for r in recs)
     in_tokens = sum(r.prompt_len for r in recs)
-    s = {"fits": True, "completed": len(recs), "duration_s": result.end_time, "num_steps": result.num_steps,
+    s = {"fits": True, "completed": len(recs), "duration_s": duration if recs else 0.0, "num_steps": result.num_steps,
          "request_throughput": len(recs) / duration, "output_throughput": out_tokens / duration,
          "total_token_throughput": (in_tokens + out_tokens) / duration, "num_preemptions": result.num_preemptions,
          "max_running": result.max_running, "peak_kv_usage": result.peak_kv_usage,

@@ -6,6 +6,9 @@ stops at max_tokens through the engine's own stop checker.
 
     result = simulate(profile, device, requests, EngineSettings(max_num_seqs=256))
 
+`Simulation` keeps the engine between runs: `sim.run(a)` then `sim.run(b)` serves b on the engine a left
+(its prefix cache warm), as one server serves a benchmark's successive runs.
+
 The cache is planned as the engine plans it (tidal/worker/memory.py): the budget is the device's
 memory x gpu_memory_utilization, less the weights and an activation reserve (or a fixed
 kv_cache_memory_bytes, as on CPU); Mamba state slots (doubled with prefix caching, for checkpoints)
@@ -78,6 +81,7 @@ class SimResult:
     num_steps: int = 0
     num_preemptions: int = 0
     busy_time: float = 0.0
+    start_time: float = 0.0   # the run's time 0 on the simulation's clock (0 but for a later run)
     end_time: float = 0.0
     max_running: int = 0
     peak_kv_usage: float = 0.0
@@ -131,74 +135,108 @@ def _shared_kv_tokens(kv: KVCacheManager, scheduled, block_size: int) -> int:
     return shared
 
 
+class Simulation:
+    """One simulated engine: its cache plan, KV blocks, state slots and scheduler, and a clock. `run` serves
+    a set of requests to the end; a later `run` on the same simulation finds the engine as the earlier one
+    left it (the prefix cache holds the blocks of the prompts it served, as a server's does between two
+    benchmark runs), its clock where that run ended."""
+
+    def __init__(self, model: ModelProfile, device: Device, settings: EngineSettings | None = None) -> None:
+        self.settings = settings = settings or EngineSettings()
+        self.max_model_len = min(settings.max_model_len or model.max_model_len, model.max_model_len)
+        self.plan = plan = plan_cache(model, device, settings, self.max_model_len)
+        self.now = 0.0
+        self._next_id = 0
+        if not plan.fits:
+            return
+        self.kv = KVCacheManager(plan.num_blocks, settings.block_size, settings.enable_prefix_caching)
+        pool = StatePool(plan.num_state_slots) if plan.num_state_slots else None
+        checkpoints = StateCheckpoints(plan.num_state_slots, plan.num_state_slots) \
+            if pool is not None and settings.enable_prefix_caching else None
+        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.step_budget(self.max_model_len),
+                                   self.max_model_len, state_pool=pool, state_checkpoints=checkpoints,
+                                   enable_chunked_prefill=settings.enable_chunked_prefill)
+        self.cost = CostModel(model, device, settings.served)
+
+    def run(self, requests: list[SimRequest], start: float | None = None) -> SimResult:
+        """Serve `requests` to the end; their arrival times count from `start` (default: the clock now, 0
+        for a fresh simulation). The result's records are in the order of `requests`, its times (arrival,
+        first token, finish, end) on the simulation's clock."""
+        result = SimResult(self.plan)
+        if not self.plan.fits:
+            return result
+        max_model_len, settings, scheduler, kv = self.max_model_len, self.settings, self.scheduler, self.kv
+        for i, r in enumerate(requests):
+            if len(r.prompt_token_ids) + r.max_tokens > max_model_len:
+                raise ValueError(f"request {i}: {len(r.prompt_token_ids)} prompt + {r.max_tokens} output tokens "
+                                 f"exceed max_model_len {max_model_len}")
+        base = self.now if start is None else start
+        now = self.now = max(self.now, base)
+        result.start_time = base
+        sent = [base + r.arrival_time for r in requests]
+        # served: a request reaches the engine the server's first-token latency after it is sent (its way in
+        # and its first chunk's way out, counted before the engine); its latencies count from the send
+        latency = self.cost.device.serve_first_token_latency if settings.served else 0.0
+        arrivals = [t + latency for t in sent]
+        order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+        records = [RequestRecord(sent[i], len(r.prompt_token_ids), r.max_tokens) for i, r in enumerate(requests)]
+        first_id, self._next_id = self._next_id, self._next_id + len(requests)
+        live: dict[str, Request] = {}
+        nxt = 0
+        preemptions, hits, queries = scheduler.num_preemptions, kv.prefix_hits, kv.prefix_queries
+        scheduler_log = logging.getLogger("tidal.core.scheduler")
+        level = scheduler_log.level
+        scheduler_log.setLevel(logging.ERROR)  # a preemption is counted here, not logged once per event
+        try:
+            while nxt < len(order) or scheduler.has_unfinished_requests():
+                if not scheduler.has_unfinished_requests() and arrivals[order[nxt]] > now:
+                    now = arrivals[order[nxt]]  # idle until the next arrival
+                while nxt < len(order) and arrivals[order[nxt]] <= now:
+                    i = order[nxt]
+                    r = requests[i]
+                    req = Request(str(first_id + i), r.prompt_token_ids,
+                                  SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), arrival_time=arrivals[i])
+                    live[req.request_id] = req
+                    scheduler.add_request(req)
+                    nxt += 1
+                batch = scheduler.schedule()
+                if not batch.scheduled:
+                    if nxt < len(order):
+                        now = max(now, arrivals[order[nxt]])
+                        continue
+                    raise RuntimeError("the scheduler can run none of the waiting requests")
+                shape = StepShape.of([(sr.num_tokens, sr.start_pos, sr.sample) for sr in batch.scheduled],
+                                     _shared_kv_tokens(kv, batch.scheduled, settings.block_size))
+                dt = self.cost.step_time(shape)
+                now += dt
+                result.busy_time += dt
+                result.num_steps += 1
+                result.max_running = max(result.max_running, scheduler.num_running)
+                result.peak_kv_usage = max(result.peak_kv_usage, kv.pool.usage())
+                sampled = {sr.request_id: [_sampled_token(live[sr.request_id])] for sr in batch.scheduled
+                           if sr.sample}
+                scheduler.update(batch, sampled, lambda req, toks: append_tokens(req, toks, max_model_len))
+                for rid in sampled:
+                    req, rec = live[rid], records[int(rid) - first_id]
+                    if rec.first_token_time is None:
+                        rec.first_token_time = now
+                    if req.is_finished:
+                        rec.finish_time = now
+                        rec.num_preemptions = req.num_preemptions
+                        rec.num_cached_tokens = max(req.num_cached_tokens, 0)
+                        del live[rid]
+        finally:
+            scheduler_log.setLevel(level)
+            self.now = now
+        result.records = records
+        result.num_preemptions = scheduler.num_preemptions - preemptions
+        result.end_time = now
+        queries = kv.prefix_queries - queries
+        result.prefix_hit_rate = (kv.prefix_hits - hits) / queries if queries else 0.0
+        return result
+
+
 def simulate(model: ModelProfile, device: Device, requests: list[SimRequest],
              settings: EngineSettings | None = None) -> SimResult:
-    settings = settings or EngineSettings()
-    max_model_len = min(settings.max_model_len or model.max_model_len, model.max_model_len)
-    plan = plan_cache(model, device, settings, max_model_len)
-    result = SimResult(plan)
-    if not plan.fits:
-        return result
-    for i, r in enumerate(requests):
-        if len(r.prompt_token_ids) + r.max_tokens > max_model_len:
-            raise ValueError(f"request {i}: {len(r.prompt_token_ids)} prompt + {r.max_tokens} output tokens exceed "
-                             f"max_model_len {max_model_len}")
-    kv = KVCacheManager(plan.num_blocks, settings.block_size, settings.enable_prefix_caching)
-    pool = StatePool(plan.num_state_slots) if plan.num_state_slots else None
-    checkpoints = StateCheckpoints(plan.num_state_slots, plan.num_state_slots) \
-        if pool is not None and settings.enable_prefix_caching else None
-    scheduler = Scheduler(kv, settings.max_num_seqs, settings.step_budget(max_model_len), max_model_len,
-                          state_pool=pool, state_checkpoints=checkpoints,
-                          enable_chunked_prefill=settings.enable_chunked_prefill)
-    cost = CostModel(model, device, settings.served)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time)
-    records = [RequestRecord(r.arrival_time, len(r.prompt_token_ids), r.max_tokens) for r in requests]
-    live: dict[str, Request] = {}
-    now, nxt = 0.0, 0
-    scheduler_log = logging.getLogger("tidal.core.scheduler")
-    level = scheduler_log.level
-    scheduler_log.setLevel(logging.ERROR)  # a preemption is counted here, not logged once per event
-    try:
-        while nxt < len(order) or scheduler.has_unfinished_requests():
-            if not scheduler.has_unfinished_requests() and requests[order[nxt]].arrival_time > now:
-                now = requests[order[nxt]].arrival_time  # idle until the next arrival
-            while nxt < len(order) and requests[order[nxt]].arrival_time <= now:
-                i = order[nxt]
-                r = requests[i]
-                req = Request(str(i), r.prompt_token_ids, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                              arrival_time=r.arrival_time)
-                live[req.request_id] = req
-                scheduler.add_request(req)
-                nxt += 1
-            batch = scheduler.schedule()
-            if not batch.scheduled:
-                if nxt < len(order):
-                    now = max(now, requests[order[nxt]].arrival_time)
-                    continue
-                raise RuntimeError("the scheduler can run none of the waiting requests")
-            shape = StepShape.of([(sr.num_tokens, sr.start_pos, sr.sample) for sr in batch.scheduled],
-                                 _shared_kv_tokens(kv, batch.scheduled, settings.block_size))
-            dt = cost.step_time(shape)
-            now += dt
-            result.busy_time += dt
-            result.num_steps += 1
-            result.max_running = max(result.max_running, scheduler.num_running)
-            result.peak_kv_usage = max(result.peak_kv_usage, kv.pool.usage())
-            sampled = {sr.request_id: [_sampled_token(live[sr.request_id])] for sr in batch.scheduled if sr.sample}
-            scheduler.update(batch, sampled, lambda req, toks: append_tokens(req, toks, max_model_len))
-            for rid in sampled:
-                req, rec = live[rid], records[int(rid)]
-                if rec.first_token_time is None:
-                    rec.first_token_time = now
-                if req.is_finished:
-                    rec.finish_time = now
-                    rec.num_preemptions = req.num_preemptions
-                    rec.num_cached_tokens = max(req.num_cached_tokens, 0)
-                    del live[rid]
-    finally:
-        scheduler_log.setLevel(level)
-    result.records = records
-    result.num_preemptions = scheduler.num_preemptions
-    result.end_time = now
-    result.prefix_hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
-    return result
+    """`requests` on a fresh engine (an empty cache), from time 0."""
+    return Simulation(model, device, settings).run(requests)
