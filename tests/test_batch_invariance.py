@@ -109,13 +109,25 @@ def test_fp8_kv_cache_is_batch_invariant(tmp_path_factory):
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"quantization": "int8"}, "quantization 'int8' is not supported"), ({"dtype": "float16"}, "not 'float16'"),
-    ({"device": "cuda"}, "CPU only")])
+    ({"device": "cuda"}, "install triton")])
 def test_what_the_mode_does_not_cover_is_refused(monkeypatch, kwargs, message):
     from tidal import config
     from tidal.config import EngineConfig
+    from tidal.layers import triton_utils
     monkeypatch.setattr(config, "resolve_device", lambda d: "cpu" if d == "auto" else d)  # "cuda" without a GPU
+    monkeypatch.setattr(triton_utils, "triton_available", lambda: False)
     with pytest.raises(ValueError, match=message):
         EngineConfig(batch_invariant=True, **kwargs)
+
+
+def test_on_cuda_the_mode_is_taken_when_asked_for_with_triton(monkeypatch):
+    from tidal import config
+    from tidal.config import EngineConfig
+    from tidal.layers import triton_utils
+    monkeypatch.setattr(config, "resolve_device", lambda d: "cpu" if d == "auto" else d)  # "cuda" without a GPU
+    monkeypatch.setattr(triton_utils, "triton_available", lambda: True)
+    assert EngineConfig(batch_invariant=True, device="cuda").batch_invariant
+    assert not EngineConfig(device="cuda").batch_invariant  # not by default there
 
 
 @pytest.mark.parametrize("kwargs,on", [

@@ -253,3 +253,45 @@ def test_paged_attention_reads_q_as_a_slice_of_the_fused_qkv_output():
     got = paged_attention(strided, *dev, 0.25, 4)
     assert got.is_contiguous()
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_matches_the_product_and_on_a_gpu_does_not_depend_on_the_rows(dtype):
+    """Batch-invariant mode's GEMM on CUDA: close to torch's product (ragged M, N and K, bias); on a GPU a
+    row's bits are the same alone, in a few rows at another place in the tile, or among 300. (Under the
+    interpreter the tile products are numpy's, whose order can depend on a row's place: closeness only.)"""
+    from tidal.layers import triton_kernels
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 200, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(130, 200, generator=g).to(dtype).to(DEVICE)
+    bias = torch.randn(130, generator=g).to(dtype).to(DEVICE)
+    full = triton_kernels.invariant_linear(x, w, bias)
+    ref = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(full.float(), ref, atol=TOL[dtype] * 20, rtol=TOL[dtype])
+    for rows in (slice(0, 1), slice(3, 7), slice(61, 70), slice(250, 300)):
+        part = triton_kernels.invariant_linear(x[rows], w, bias)
+        torch.testing.assert_close(part.float(), ref[rows], atol=TOL[dtype] * 20, rtol=TOL[dtype])
+        if ON_GPU:
+            assert torch.equal(part, full[rows]), rows
+
+
+@pytest.mark.skipif(not ON_GPU, reason="runs the engine on a CUDA device (benchmarks/gpu_check.sh)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_on_cuda(tiny_model_dir, dtype):
+    """On a GPU, batch_invariant=True: each request's logprobs the same alone, in a batch, and with a
+    37-token step budget (chunk boundaries elsewhere, mixed with others' decodes)."""
+    from tests.helpers import random_prompts
+    from tidal import LLM, SamplingParams
+    prompts = random_prompts(24, 3, 60, 256, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+    def run(llm, idx):
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx], params, use_tqdm=False)
+        return [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    path = tiny_model_dir("llama")
+    llm = LLM(path, device="cuda", dtype=dtype, batch_invariant=True, max_model_len=128, block_size=16)
+    alone = [run(llm, [i])[0] for i in range(len(prompts))]
+    assert run(llm, list(range(len(prompts)))) == alone
+    chunked = LLM(path, device="cuda", dtype=dtype, batch_invariant=True, max_model_len=128,
+                  block_size=16, max_num_batched_tokens=37)
+    assert run(chunked, list(range(len(prompts)))) == alone

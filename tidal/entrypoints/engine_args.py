@@ -52,8 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     _bool_flag(g, "batch-invariant", None,
                "a request's logits, tokens and logprobs bitwise the same whatever else runs with it (batch size, "
                "chunking, prefix-cache hits, preemption). Default: on where supported (the CPU, float32 or "
-               "bfloat16, no quantization), off elsewhere; --batch-invariant refuses settings it does not "
-               "support, --no-batch-invariant turns it off. docs/batch_invariance.md")
+               "bfloat16, no quantization), off elsewhere; --batch-invariant also takes it on CUDA (Triton "
+               "kernels) and refuses settings it does not support, --no-batch-invariant turns it off. "
+               "docs/batch_invariance.md")
     g.add_argument("--seed", type=int, default=0,
                    help="seed of sampling for requests without their own seed (default 0)")
     g.add_argument("--enforce-eager", action="store_true",

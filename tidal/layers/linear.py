@@ -22,6 +22,7 @@ from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from tidal.forward_context import batch_invariant, skinny_gemm_allowed
+from tidal.layers import triton_utils
 from tidal.layers.cpu_kernels import (
     SKINNY_MAX_ROWS,
     bf16_linear,
@@ -94,7 +95,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         weight = unpack_bf16_weight(weight, n, k)  # only if the kernel cannot run here (another ISA level)
     if weight.dtype != x.dtype:
         return bf16_weight_linear(x, weight, bias)
-    if batch_invariant() and x.device.type == "cpu":
+    if batch_invariant():
         return invariant_linear(x, weight, bias)
     if x.dtype == torch.float32 and x.device.type == "cpu":
         shape = x.shape
@@ -120,8 +121,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     - bf16 with AVX-512 BF16: bf16_linear's order for any number of rows (1 to 4 rows: the skinny kernel
       written in that order, which still streams the weights once);
     - bf16 without it: widened to fp32, the bf16-weight kernel (fixed order), rounded to bf16;
-    - fp32: the native fp32 kernel of the same fixed order (torch's GEMM picks kernels by shape).
-    Elsewhere (fp16; no native kernels) F.linear, which is not invariant."""
+    - fp32: the native fp32 kernel of the same fixed order (torch's GEMM picks kernels by shape);
+    - CUDA: the Triton GEMM of fixed tiles (triton_kernels.invariant_linear).
+    Elsewhere (fp16 on a CPU; no native kernels, no triton) F.linear, which is not invariant."""
+    if x.device.type == "cuda" and (kernels := triton_utils.kernels_for(x)) is not None:
+        return kernels.invariant_linear(x, weight, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     out = None

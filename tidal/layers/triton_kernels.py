@@ -4,6 +4,9 @@
     silu_and_mul(x)                         -> silu(gate) * up                    (one read, one write)
     rotary_write_kv(positions, qk, v, ...)  -> q rotated; k rotated and v written into their cache slots
                                                (an FP8 cache quantized on the way), one pass
+    invariant_linear(x, weight, bias)       -> x @ weight^T (+ bias) in tiles of one fixed size, each output's
+                                               K sum in one order whatever the number of rows
+                                               (batch-invariant mode on CUDA)
 
 The layers call them on CUDA tensors when triton is installed (`kernels_for` in triton_utils.py); the
 Triton attention backend also rotates and writes K/V with rotary_write_kv. Tests run them on CPU tensors
@@ -106,6 +109,54 @@ def _rotary_write_kv_kernel(qk_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, q_ou
                  v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
+
+
+# Batch-invariant mode's tiles: one size whatever the shape (no split-K, no autotuning), so every output
+# is computed by the same instructions, in the same K order, whether its row is alone or one of 512.
+LINEAR_BLOCK_M, LINEAR_BLOCK_N, LINEAR_BLOCK_K = 64, 64, 32
+
+
+@triton.jit
+def _invariant_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+                             HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K in chunks, in order from zero
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                    other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K),
+                    other=0.0).to(DOT_DTYPE)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) in x's dtype with fp32 sums, in tiles of one fixed size: on a
+    GPU a row's result does not depend on the number of rows or on its place among them (batch-invariant
+    mode; cuBLAS picks its kernel, hence its order, by shape). fp32 products in IEEE fp32 (no TF32).
+    (Under the interpreter the tile products are numpy's, whose order may depend on a row's place.)"""
+    from tidal.layers.attention.triton_attention import dot_dtype
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    M, K = x2.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        grid = (triton.cdiv(M, LINEAR_BLOCK_M), triton.cdiv(N, LINEAR_BLOCK_N))
+        _invariant_linear_kernel[grid](
+            x2, weight, bias if bias is not None else x2, out, M, N, K, x2.stride(0), weight.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+            DOT_DTYPE=dot_dtype(x.dtype), BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_K=LINEAR_BLOCK_K)
+    return out.view(*shape[:-1], N)
 
 
 def _rows(x: torch.Tensor) -> bool:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.forward_context import batch_invariant
 from tidal.layers.attention.kv_cache_dtype import FP8, storage
 from tidal.layers.triton_utils import triton_interpreting
 
@@ -123,8 +124,9 @@ def dot_dtype(dtype: torch.dtype):
 def tile_rows(group: int, max_query_len: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): matrix rows per program and the query tokens they hold. Decode-only batches
     take 16 rows (the smallest a tensor-core dot takes); batches with prompt chunks 64, so one K/V tile
-    serves more of a chunk's queries."""
-    rows = 16 if max_query_len == 1 else 64
+    serves more of a chunk's queries. In batch-invariant mode always 64, so a token's dot products are
+    the same instructions whether it decodes alone or sits in a prompt chunk."""
+    rows = 16 if max_query_len == 1 and not batch_invariant() else 64  # the mode: one tile size for all
     block_m = max(rows, triton.next_power_of_2(group))
     return block_m, block_m // group
 

@@ -145,7 +145,7 @@ class UnquantizedMoEMethod:
     def expert_linear(self, moe: nn.Module, x: torch.Tensor, which: str, expert: int) -> torch.Tensor:
         """x [n, in] @ expert's matrix `which` ("w13" or "w2")^T."""
         weight = getattr(moe, f"{which}_weight")[expert]
-        if batch_invariant() and x.device.type == "cpu":  # a token's result whatever else its expert takes
+        if batch_invariant():  # a token's result whatever else its expert takes
             return invariant_linear(x, weight, None)
         return F.linear(x, weight)
 
