@@ -68,6 +68,16 @@ def variants():
                     EMULATE_FP8_ROUNDING=False))
 
 
+    for dt in ("bf16", "fp16", "fp32"):  # batch-invariant mode's GEMM
+        for bias in (False, True):
+            yield (f"invariant_linear {dt} bias {bias}", triton_kernels._invariant_linear_kernel,
+                   {n: f"*{dt}" for n in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")},
+                   {"M": "i32", "N": "i32", "K": "i32"},
+                   dict(HAS_BIAS=bias, DOT_PRECISION="ieee" if dt == "fp32" else None, DOT_DTYPE=DTYPES[dt],
+                        BLOCK_M=triton_kernels.LINEAR_BLOCK_M, BLOCK_N=triton_kernels.LINEAR_BLOCK_N,
+                        BLOCK_K=triton_kernels.LINEAR_BLOCK_K))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
