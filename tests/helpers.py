@@ -89,7 +89,8 @@ def assert_engine_idle(engine) -> None:
 @contextlib.contextmanager
 def running_server(serve_args: list[str], log_path, startup_timeout: float):
     """A real `tidal serve` process on a free 127.0.0.1 port: yields (process, base URL) once /health
-    answers, fails the test with the server's log if it dies or is not ready in time, stops it after."""
+    answers, fails the test with the server's log if it dies or is not ready in time, stops it after.
+    TIDAL_TEST_ENGINE_CORE_PROCESS=1 runs every such server with --engine-core-process."""
     import httpx
     import pytest
     with socket.socket() as s:
@@ -99,6 +100,8 @@ def running_server(serve_args: list[str], log_path, startup_timeout: float):
     env.pop("TIDAL_API_KEY", None)
     cmd = [sys.executable, "-m", "tidal.entrypoints.cli", "serve", *serve_args, "--host", "127.0.0.1",
            "--port", str(port)]
+    if os.environ.get("TIDAL_TEST_ENGINE_CORE_PROCESS") == "1":
+        cmd.append("--engine-core-process")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
