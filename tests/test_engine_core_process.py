@@ -92,8 +92,9 @@ def test_outputs_metrics_and_calls_match_the_engine_in_one_process(tiny_model_di
         assert _in_engine(async_llm, operator.attrgetter("kv_manager.pool.num_used_blocks")) == 0
         with pytest.raises(AttributeError):  # an error raised in the core reaches the caller
             _in_engine(async_llm, operator.attrgetter("no_such_attribute"))
-        snapshot = httpx.get(f"{base}/dashboard/api/snapshot")  # the dashboard's call_in_engine hook
-        assert snapshot.status_code in (200, 404)
+        snapshot = httpx.get(f"{base}/dashboard/snapshot")  # the dashboard's call_in_engine hook
+        assert snapshot.status_code == 200, snapshot.text
+        assert snapshot.json()["totals"]["generation_tokens"] == 36
         assert httpx.get(f"{base}/health").status_code == 200
 
 
@@ -190,3 +191,27 @@ def test_core_stops_by_itself_when_the_server_process_is_killed(tiny_model_dir, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tensor_parallel_workers_run_under_the_core_and_go_with_it(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    expected, _ = _offline(path, [[5, 6, 7]], 8)
+    config = _config(path)
+    config.tensor_parallel_size = 2
+    async_llm = AsyncLLM.from_config(config, core_process=True)
+    try:
+        core = psutil.Process(async_llm.core_pid)
+        workers = [p for p in core.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+
+        async def main():
+            params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            return [t async for out in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "tp")
+                    for t in out.outputs[0].token_ids]
+
+        assert asyncio.run(main()) == expected[0]
+        core.kill()  # the workers read EOF from their driver's pipe and stop
+        assert all(_gone(w.pid, 30) for w in workers), "a worker outlived its engine core"
+        assert not async_llm.is_running or _gone(core.pid, 1)
+    finally:
+        async_llm.shutdown()
