@@ -1,5 +1,5 @@
-"""The engine core in a process of its own (`tidal serve --engine-core-process`, or
-`AsyncLLM.from_config(config, core_process=True)`), as vLLM V1 runs it:
+"""The engine core in a process of its own (`tidal serve`'s default, `--no-engine-core-process` to turn it off;
+`AsyncLLM.from_config(config, core_process=True)` in code), as vLLM V1 runs it:
 
     API server process                                   engine-core process
     HTTP, JSON, chat templates, tokenization    --zmq-->  the AsyncLLM loop (tidal/engine/async_llm.py)
