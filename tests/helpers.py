@@ -86,10 +86,19 @@ def assert_engine_idle(engine) -> None:
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def engine_core_process_flag() -> list[str]:
+    """The serve flag TIDAL_TEST_ENGINE_CORE_PROCESS asks for: 0 runs the engine in the server's process
+    (--no-engine-core-process), 1 in its own (--engine-core-process); unset, the default (its own)."""
+    choice = os.environ.get("TIDAL_TEST_ENGINE_CORE_PROCESS")
+    return {"0": ["--no-engine-core-process"], "1": ["--engine-core-process"]}.get(choice, [])
+
+
 @contextlib.contextmanager
 def running_server(serve_args: list[str], log_path, startup_timeout: float):
     """A real `tidal serve` process on a free 127.0.0.1 port: yields (process, base URL) once /health
-    answers, fails the test with the server's log if it dies or is not ready in time, stops it after."""
+    answers, fails the test with the server's log if it dies or is not ready in time, stops it after.
+    TIDAL_TEST_ENGINE_CORE_PROCESS=0 runs every such server with its engine in process (see
+    engine_core_process_flag)."""
     import httpx
     import pytest
     with socket.socket() as s:
@@ -99,6 +108,7 @@ def running_server(serve_args: list[str], log_path, startup_timeout: float):
     env.pop("TIDAL_API_KEY", None)
     cmd = [sys.executable, "-m", "tidal.entrypoints.cli", "serve", *serve_args, "--host", "127.0.0.1",
            "--port", str(port)]
+    cmd += engine_core_process_flag()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"

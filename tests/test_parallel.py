@@ -374,6 +374,8 @@ def test_server_exits_1_within_seconds_when_a_worker_dies_leaving_no_process_or_
     cmd = [sys.executable, "-m", "tidal.entrypoints.cli", "serve", path, "--host", "127.0.0.1", "--port", str(port),
            "-tp", "2", "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_BYTES), "--served-model-name", "tiny",
            "--uvicorn-log-level", "warning"]
+    from tests.helpers import engine_core_process_flag
+    cmd += engine_core_process_flag()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     base, pids, events, started = f"http://127.0.0.1:{port}", [], [], threading.Event()

@@ -335,11 +335,14 @@ def _stream_events(base: str, body: dict, started: threading.Event, events: list
                 started.set()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_during_streaming_finishes_in_flight_aborts_the_late_and_exits_0(tiny_model_dir, tmp_path, sig):
+@pytest.mark.parametrize(("sig", "core_process"), [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                                    (signal.SIGTERM, True)])
+def test_signal_during_streaming_finishes_in_flight_aborts_the_late_and_exits_0(tiny_model_dir, tmp_path, sig,
+                                                                                core_process):
     # the long request (4000 steps) cannot finish within the timeout, the short one (20) must
     proc, base = _serve(tiny_model_dir("llama", max_position_embeddings=4096), tmp_path / "server.log",
-                        "--max-model-len", "4096", "--shutdown-timeout", "1")
+                        "--max-model-len", "4096", "--shutdown-timeout", "1",
+                        "--engine-core-process" if core_process else "--no-engine-core-process")
     try:
         short, long = [], []  # SSE data of a request that fits in the timeout and of one that cannot
         started = [threading.Event(), threading.Event()]

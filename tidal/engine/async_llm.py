@@ -88,7 +88,8 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, er
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, step_hook=None, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, step_hook=None, max_waiting_requests: int | None = None,
+                 _start: bool = True) -> None:
         """Wrap an engine and start its loop thread. `step_hook` runs on the engine thread
         after every step and every batch of commands (metrics; the engine is consistent there), with
         the step's outputs: `step_hook(engine, outputs)`. `max_waiting_requests` (None: unbounded) is
@@ -110,11 +111,18 @@ class AsyncLLM:
         self.idle_wait_s = 1.0  # how often an idle loop wakes to run step_hook (periodic stats, worker health)
         _install_fault(engine, os.environ.get("TIDAL_INJECT_FAULT"))
         self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
-        self._thread.start()
+        if _start:  # (the engine-core process runs the loop on its main thread instead)
+            self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, step_hook=None) -> AsyncLLM:
-        return cls(LLMEngine(config), step_hook)
+    def from_config(cls, config: EngineConfig, step_hook=None, max_waiting_requests: int | None = None,
+                    core_process: bool = False, **core_options) -> AsyncLLM:
+        """An AsyncLLM over a new engine: in this process, or with core_process=True in an engine-core process
+        of its own (tidal/engine/core_process.py; core_options: stats_log_interval, startup_timeout)."""
+        if core_process:
+            from tidal.engine.core_process import CoreProcessAsyncLLM
+            return CoreProcessAsyncLLM(config, step_hook, max_waiting_requests, **core_options)
+        return cls(LLMEngine(config), step_hook, max_waiting_requests)
 
     # -- public API (event-loop side) ------------------------------------------------------------
     @property
@@ -244,9 +252,12 @@ class AsyncLLM:
                     result, error = fn(engine), None
                 except Exception as e:  # noqa: BLE001 - handed to the caller, never raised here
                     result, error = None, e
-                _resolve(loop, future, result, error)
+                self._answer_call(loop, future, result, error)
             else:
                 aborted += engine.abort_request(command[1])
+
+    def _answer_call(self, loop, future, result, error) -> None:
+        _resolve(loop, future, result, error)
 
     def _run(self) -> None:
         engine = self.engine

@@ -7,12 +7,16 @@ Every engine flag of the CLI is accepted (see `tidal serve --help`), plus the se
 --host, --port, --api-key (or TIDAL_API_KEY), --max-log-len, --disable-log-requests,
 --uvicorn-log-level, --stats-log-interval, --chat-template, --enable-auto-tool-choice, --tool-call-parser,
 --max-request-body-bytes, --max-logprobs, --allowed-origins, --trust-request-chat-template,
---max-waiting-requests, --shutdown-timeout.
+--max-waiting-requests, --shutdown-timeout, --engine-core-process (--no-engine-core-process).
+
+The engine core (scheduler, model, detokenization) runs in a process of its own, talking to this one over
+ZeroMQ (tidal/engine/core_process.py); --no-engine-core-process runs it on a thread of this process.
 
 SIGTERM or SIGINT stops the server gracefully: it stops accepting, lets in-flight requests finish for
 up to --shutdown-timeout seconds, aborts the rest with an error, stops the workers and exits 0 (a
-second signal stops it at once). If the engine dies (a worker killed, a fault it cannot recover from),
-/health and new requests answer 503 and the process exits with status 1, for a supervisor to restart it.
+second signal stops it at once). If the engine dies (its core process or a worker killed, a fault it cannot
+recover from), /health and new requests answer 503 and the process exits with status 1, for a supervisor to
+restart it.
 """
 from __future__ import annotations
 
@@ -74,6 +78,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are "
                         "aborted (default 5)")
+    g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core (scheduling, the model, detokenization) in a process of its own, "
+                        "talking to the server process over ZeroMQ, so that HTTP and JSON never share its "
+                        "interpreter (docs/architecture.md; default: on; --no-engine-core-process: one process)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of uvicorn (access logs at info)")
@@ -128,14 +136,22 @@ def run_server(args: argparse.Namespace) -> int:
 
     try:
         config = engine_config_from_args(args, args.model)
-        engine = LLMEngine(config)
+        if args.engine_core_process:
+            async_llm = AsyncLLM.from_config(config, max_waiting_requests=args.max_waiting_requests,
+                                             core_process=True, stats_log_interval=args.stats_log_interval)
+            engine = async_llm.engine  # the server process's view of it
+        else:
+            engine = LLMEngine(config)
     except ValueError as e:  # a bad model path or flag: say so in one line, not a traceback
         raise SystemExit(f"tidal serve: {e}") from e
     name = args.served_model_name or engine.model_name
     if engine.stats_logger is not None:  # None under --disable-log-stats
         engine.stats_logger.interval_s = args.stats_log_interval
     metrics = ServerMetrics(name)
-    async_llm = AsyncLLM(engine, step_hook=metrics, max_waiting_requests=args.max_waiting_requests)
+    if args.engine_core_process:
+        async_llm.step_hook = metrics
+    else:
+        async_llm = AsyncLLM(engine, step_hook=metrics, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_llm, name, api_key=args.api_key, metrics=metrics, max_log_len=args.max_log_len,
                     log_requests=not args.disable_log_requests, chat_template=args.chat_template,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
