@@ -18,10 +18,10 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tidal.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from tidal.layers.activation import SiluAndMul
 from tidal.layers.linear import ReplicatedLinear
 from tidal.layers.quantization.methods import UnquantizedMoEMethod
 
@@ -48,6 +48,7 @@ class FusedMoE(nn.Module):
         """quant_config: a QuantizationConfig (tidal.layers.quantization) whose moe_method stores the
         experts (None: plain weights in dtype)."""
         super().__init__()
+        self.act = SiluAndMul()
         tp = get_tp_size()
         if intermediate_size % tp:
             raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by "
@@ -102,8 +103,11 @@ class FusedMoE(nn.Module):
             pairs = order[start:start + n]
             start += n
             tokens = pairs // k
-            gate, up = self.quant_method.expert_linear(self, x[tokens], "w13", e).chunk(2, dim=-1)  # [n, I] each
-            h = self.quant_method.expert_linear(self, F.silu(gate) * up, "w2", e)                  # [n, H]
+            # [n, 2I] -> [n, I]: the fused kernel computes each row alone (torch's elementwise ops split a
+            # tensor between threads by element count, and an element at a split takes their scalar path,
+            # which rounds differently: a row's bits would depend on how many rows its expert takes)
+            act = self.act(self.quant_method.expert_linear(self, x[tokens], "w13", e))
+            h = self.quant_method.expert_linear(self, act, "w2", e)                  # [n, H]
             out.index_add_(0, tokens, (h * flat_weights[pairs, None]).to(x.dtype))
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
