@@ -9,7 +9,6 @@ import contextlib
 import operator
 import os
 import signal
-import threading
 import time
 
 import httpx
@@ -17,7 +16,15 @@ import psutil
 import pytest
 
 from tests.helpers import random_prompts
-from tests.test_server_reliability import TIMEOUT, VOCAB, _body, _free_port, _offline, _serve, _token_ids
+from tests.test_server_reliability import (
+    TIMEOUT,
+    VOCAB,
+    _body,
+    _offline,
+    _serve,
+    _token_ids,
+    uvicorn_in_thread,
+)
 from tidal.config import EngineConfig
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError
 from tidal.entrypoints.openai.api_server import build_app
@@ -47,23 +54,13 @@ def _gone(pid: int, within: float = TIMEOUT) -> bool:
 def core_serving(model_dir: str, **kwargs):
     """(base URL, AsyncLLM) of the app served by uvicorn in a thread of this process, its engine in a core
     process."""
-    import uvicorn
     metrics = ServerMetrics("tiny")
     async_llm = AsyncLLM.from_config(_config(model_dir), step_hook=metrics, core_process=True, **kwargs)
     app = build_app(async_llm, "tiny", metrics=metrics, log_requests=False)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:  # uvicorn's own readiness flag
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", async_llm
+        with uvicorn_in_thread(app) as url:
+            yield url, async_llm
     finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
         async_llm.shutdown()
         assert _gone(async_llm.core_pid), "the engine core process outlived its shutdown"
 

@@ -61,14 +61,9 @@ class Gate:
 
 
 @contextlib.contextmanager
-def serving(model_dir: str, max_waiting_requests: int | None = None, **engine_kwargs):
-    """(base URL, AsyncLLM) of the app served by uvicorn in a thread of this process."""
+def uvicorn_in_thread(app):
+    """The base URL of `app` served by uvicorn in a thread of this process, stopped on exit."""
     import uvicorn
-    kwargs = {"dtype": "float32", "kv_cache_memory_bytes": 4 << 20, "max_model_len": MAX_MODEL_LEN, **engine_kwargs}
-    engine = LLMEngine(EngineConfig(model=model_dir, **kwargs))
-    metrics = ServerMetrics("tiny")
-    async_llm = AsyncLLM(engine, step_hook=metrics, max_waiting_requests=max_waiting_requests)
-    app = build_app(async_llm, "tiny", metrics=metrics, log_requests=False)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -78,10 +73,24 @@ def serving(model_dir: str, max_waiting_requests: int | None = None, **engine_kw
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", async_llm
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(TIMEOUT)
+
+
+@contextlib.contextmanager
+def serving(model_dir: str, max_waiting_requests: int | None = None, **engine_kwargs):
+    """(base URL, AsyncLLM) of the app served by uvicorn in a thread of this process."""
+    kwargs = {"dtype": "float32", "kv_cache_memory_bytes": 4 << 20, "max_model_len": MAX_MODEL_LEN, **engine_kwargs}
+    engine = LLMEngine(EngineConfig(model=model_dir, **kwargs))
+    metrics = ServerMetrics("tiny")
+    async_llm = AsyncLLM(engine, step_hook=metrics, max_waiting_requests=max_waiting_requests)
+    app = build_app(async_llm, "tiny", metrics=metrics, log_requests=False)
+    try:
+        with uvicorn_in_thread(app) as url:
+            yield url, async_llm
+    finally:
         async_llm.shutdown()
         engine.shutdown()
 
