@@ -265,51 +265,70 @@ template <int G, int C>
 static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache, const uint16_t* v_cache,
                         const int64_t* table, int64_t L, int64_t h, int64_t Hk, int64_t bs, float* scores) {
   constexpr int64_t D = C * 16;
+  // TV groups of 16 tokens (possibly of different blocks) are in flight at once, so that G * TV
+  // independent VDPBF16PS chains hide the instruction's latency when G is small (a decode's query heads
+  // per KV head); each score is still one chain over the dim pairs in order, whatever TV is.
+  constexpr int TV = std::max(1, std::min(4, 16 / G));
+  constexpr int64_t STEP = TV * 16;
   // output lane 2i <- element i (row 2p, token i); lane 2i + 1 <- element 16 + i (row 2p + 1, token i)
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i perm = _mm512_load_si512(kInterleave);
-  __m512i qpair[G][D / 2];
-  for (int g = 0; g < G; ++g)
-    for (int64_t p = 0; p < D / 2; ++p) {
-      uint32_t pair; std::memcpy(&pair, qb + g * D + 2 * p, 4);
-      qpair[g][p] = _mm512_set1_epi32(static_cast<int>(pair));
-    }
+  uint32_t qpair[G][D / 2];
+  for (int g = 0; g < G; ++g) std::memcpy(qpair[g], qb + g * D, D * 2);
   const __m512 sv = _mm512_set1_ps(scale);
   float tmp[16];
   const int64_t chunk_bytes = D * bs * 2;
-  for (int64_t start = 0; start < L; start += 16) {
-    const int64_t blk = table[start / bs], off = start % bs;
-    const uint16_t* base = k_cache + (blk * Hk + h) * D * bs + off;
-    if (off == 0) {
-      constexpr int64_t ahead = 4;  // as in scores_vec
-      if (start + ahead * bs < L)
-        prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[start / bs + ahead] * Hk + h) * D * bs),
-                                    chunk_bytes);
-      prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (blk * Hk + h) * D * bs), chunk_bytes);
-    }
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < D / 2; ++p) {
-      __m512i rows;  // rows 2p and 2p + 1, 16 tokens each
-      if (bs == 16) {
-        rows = _mm512_loadu_si512(base + 2 * p * 16);
-      } else {
-        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * bs));
-        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * bs));
-        rows = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+  for (int64_t start = 0; start < L; start += STEP) {
+    const uint16_t* base[TV];
+    for (int v = 0; v < TV; ++v) {
+      const int64_t t0 = start + v * 16;
+      if (t0 >= L) { base[v] = base[0]; continue; }  // past the sequence: computed, never stored
+      const int64_t blk = table[t0 / bs], off = t0 % bs;
+      base[v] = k_cache + (blk * Hk + h) * D * bs + off;
+      if (off == 0) {
+        constexpr int64_t ahead = 4;  // as in scores_vec
+        if (t0 + ahead * bs < L)
+          prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs + ahead] * Hk + h) * D * bs),
+                                      chunk_bytes);
+        prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (blk * Hk + h) * D * bs), chunk_bytes);
       }
-      const __m512i kp = _mm512_permutexvar_epi16(perm, rows);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)kp, (__m512bh)qpair[g][p]);
     }
-    const int64_t n = std::min<int64_t>(16, L - start);
-    for (int g = 0; g < G; ++g) {
-      const __m512 s = _mm512_mul_ps(acc[g], sv);
-      if (n == 16) {
-        _mm512_storeu_ps(scores + g * L + start, s);
-      } else {
-        _mm512_storeu_ps(tmp, s);
-        std::copy(tmp, tmp + n, scores + g * L + start);
+    __m512 acc[G][TV];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < TV; ++v) acc[g][v] = _mm512_setzero_ps();
+    // one loop per layout, with no branch inside: the accumulators then stay in registers
+    auto dims = [&](auto load_rows) {
+      for (int64_t p = 0; p < D / 2; ++p) {
+        __m512i kp[TV];
+        for (int v = 0; v < TV; ++v) kp[v] = _mm512_permutexvar_epi16(perm, load_rows(base[v], p));
+        for (int g = 0; g < G; ++g) {
+          const __m512i qv = _mm512_set1_epi32(static_cast<int>(qpair[g][p]));
+          for (int v = 0; v < TV; ++v) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], (__m512bh)kp[v], (__m512bh)qv);
+        }
+      }
+    };
+    if (bs == 16) {  // rows 2p and 2p + 1 of 16 tokens each: one contiguous load
+      dims([](const uint16_t* b, int64_t p) { return _mm512_loadu_si512(b + 2 * p * 16); });
+    } else {
+      dims([bs](const uint16_t* b, int64_t p) {
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * p * bs));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (2 * p + 1) * bs));
+        return _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+      });
+    }
+    for (int v = 0; v < TV; ++v) {
+      const int64_t t0 = start + v * 16;
+      if (t0 >= L) break;
+      const int64_t n = std::min<int64_t>(16, L - t0);
+      for (int g = 0; g < G; ++g) {
+        const __m512 s = _mm512_mul_ps(acc[g][v], sv);
+        if (n == 16) {
+          _mm512_storeu_ps(scores + g * L + t0, s);
+        } else {
+          _mm512_storeu_ps(tmp, s);
+          std::copy(tmp, tmp + n, scores + g * L + t0);
+        }
       }
     }
   }
