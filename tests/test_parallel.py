@@ -194,6 +194,8 @@ def test_tp2_matches_single_process(tp2):
     infos = tp2.llm.llm_engine.executor.worker_infos
     assert [i.layers for i in infos] == [(0, 3), (0, 3)]
     _assert_same(tp2.ref, _generate(tp2.llm))
+    stats = tp2.llm.llm_engine.stats  # the output rank's forward and LM head, timed there, came back
+    assert stats.step_time_s > stats.model_time_s > 0
 
 
 def test_tp2_all_reduces_through_shared_memory_and_leave_no_segment_name(tp2):
@@ -227,6 +229,8 @@ def test_pp2_tied_embeddings_matches_single_process(pp2_tied):
     infos = pp2_tied.llm.llm_engine.executor.worker_infos
     assert [i.layers for i in infos] == [(0, 2), (2, 3)]
     _assert_same(pp2_tied.ref, _generate(pp2_tied.llm))
+    stats = pp2_tied.llm.llm_engine.stats  # pipelined: the model part is the driver's whole execute call
+    assert stats.step_time_s > stats.model_time_s > 0
 
 
 def test_tp2_pp2_replicated_kv_heads_matches_single_process(tp2_pp2_mqa):

@@ -380,6 +380,9 @@ def test_metrics_page_parses_with_vllm_style_names(client, server):
     assert _metric(m, "tidal:time_to_first_token_seconds_count") >= 1
     assert _metric(m, "tidal:e2e_request_latency_seconds_count") >= 1
     assert _metric(m, "tidal:request_success_total", finished_reason="length") >= 1
+    # Tidal's own step counters (from the engine core's stats): host time is a part of the steps
+    assert _metric(m, "tidal:engine_steps_total") >= 4
+    assert _metric(m, "tidal:engine_step_seconds_total") > _metric(m, "tidal:engine_host_seconds_total") > 0
 
 
 # -- small routes and the benchmark client -------------------------------------------------------

@@ -12,6 +12,8 @@ the /metrics handler renders it from the event loop). Names follow vLLM's, under
     tidal:spec_decode_num_drafts_total / spec_decode_num_draft_tokens_total /
     tidal:spec_decode_num_accepted_tokens_total, and
     tidal:spec_decode_num_accepted_tokens_per_pos_total{position}                  counters (speculative decoding)
+    tidal:engine_step_seconds_total / engine_host_seconds_total / engine_steps_total  counters (Tidal's own:
+        the wall time of the engine's steps, its part outside the model, and the steps; see EngineStats)
     tidal:time_to_first_token_seconds, tidal:inter_token_latency_seconds,
     tidal:time_per_output_token_seconds (per request), tidal:e2e_request_latency_seconds  histograms
 
@@ -61,6 +63,10 @@ class ServerMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Requests x steps that ran draft tokens.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens run.")
         self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.step_seconds = counter("engine_step_seconds", "Wall time of the engine's steps (seconds).")
+        self.host_seconds = counter("engine_host_seconds", "Step time outside the model's forward and LM head: "
+                                    "scheduling, input preparation, sampling, output processing (seconds).")
+        self.steps = counter("engine_steps", "Engine steps.")
         self._spec_per_pos = Counter("tidal:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft (0: the first).",
                                      labels + ["position"], registry=r)
@@ -97,6 +103,9 @@ class ServerMetrics:
         self._advance(self.spec_drafts, "spec_drafts", stats.spec_num_drafts)
         self._advance(self.spec_draft_tokens, "spec_draft_tokens", stats.spec_num_draft_tokens)
         self._advance(self.spec_accepted_tokens, "spec_accepted_tokens", stats.spec_num_accepted_tokens)
+        self._advance(self.step_seconds, "step_seconds", stats.step_time_s)
+        self._advance(self.host_seconds, "host_seconds", stats.host_time_s)
+        self._advance(self.steps, "steps", stats.num_timed_steps)
         for pos, count in enumerate(list(stats.spec_accepted_per_pos)):
             self._advance(self._spec_per_pos.labels(self._model_name, str(pos)), f"spec_pos:{pos}", count)
         for reason, count in list(stats.finished_reasons.items()):

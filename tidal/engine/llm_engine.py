@@ -346,6 +346,7 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        draft_time_s = getattr(self.proposer, "model_time_s", 0.0)  # a draft model's forwards are model time too
         if self.proposer is not None:
             speculation.propose_drafts(self)
         batch = self.scheduler.schedule()
@@ -362,6 +363,8 @@ class LLMEngine:
         if self.proposer is not None:
             speculation.record_drafts(self, batch, result.sampled, time.perf_counter() - t0)
         outputs = self._process_outputs(batch, result, appended)
+        model_time_s = result.model_time_s + getattr(self.proposer, "model_time_s", 0.0) - draft_time_s
+        self.stats.record_step_time(time.perf_counter() - t0, model_time_s)
         if self.stats_logger is not None:
             self.stats_logger.maybe_log(self)
         return outputs

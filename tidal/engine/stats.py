@@ -41,6 +41,12 @@ class EngineStats:
     last_step_prefill_tokens: int = 0
     last_step_decode_tokens: int = 0
     last_step_num_requests: int = 0
+    # where the steps' time goes, summed over the steps: the wall time of LLMEngine.step, and the part of
+    # it spent in the model (forward and LM head, the draft model's too; see RunnerOutput.model_time_s).
+    # The rest is host time: scheduling, input preparation, sampling, output processing.
+    step_time_s: float = 0.0
+    model_time_s: float = 0.0
+    num_timed_steps: int = 0
     started: float = field(default_factory=time.time)
 
     def record_step(self, batch, num_sampled: int, scheduler, kv_manager) -> None:
@@ -65,6 +71,17 @@ class EngineStats:
             tokens -= (refs - used_blocks) * kv_manager.block_size
             self.kv_util_sum += min(1.0, tokens / (used_blocks * kv_manager.block_size))
             self.kv_util_steps += 1
+
+    def record_step_time(self, step_s: float, model_s: float) -> None:
+        """One step's wall time and the model's part of it (seconds)."""
+        self.step_time_s += step_s
+        self.model_time_s += model_s
+        self.num_timed_steps += 1
+
+    @property
+    def host_time_s(self) -> float:
+        """Step time outside the model, summed over the steps (seconds)."""
+        return self.step_time_s - self.model_time_s
 
     def record_drafts(self, drafts: list[tuple[int, int]]) -> None:
         """One step's (draft tokens run, draft tokens accepted) per request that ran drafts."""
@@ -116,15 +133,19 @@ class StatsLogger:
     """Every `interval_s` seconds with activity, one line like vLLM's:
 
         Avg prompt throughput: 812.3 tokens/s, Avg generation throughput: 95.0 tokens/s, Running: 12 reqs,
-        Waiting: 0 reqs, KV cache usage: 8.2%, Preemptions: 0, Prefix cache hit rate: 41.0%
+        Waiting: 0 reqs, KV cache usage: 8.2%, Preemptions: 0, Prefix cache hit rate: 41.0%, Steps: 812,
+        Step time: 11.2 ms (host 0.41 ms)
 
     The engine calls maybe_log after each step (the server also while idle, so the last busy period is
-    reported); throughputs are averaged since the previous line."""
+    reported); throughputs are averaged since the previous line. After vLLM's fields: the engine steps
+    since the previous line and their mean wall time, of which host is the part outside the model's
+    forward and LM head (scheduling, input preparation, sampling, output processing; EngineStats)."""
 
     def __init__(self, interval_s: float = 10.0) -> None:
         self.interval_s = interval_s
         self._log_time = time.monotonic()
         self._log_tokens = (0, 0)  # (prompt, generation) at the last line
+        self._log_steps = (0, 0.0, 0.0)  # (timed steps, step seconds, model seconds) at the last line
         self._spec_log = SpecDecodingLog()  # with speculative decoding: vLLM's SpecDecoding line beside it
 
     def maybe_log(self, engine, now: float | None = None) -> bool:
@@ -138,13 +159,18 @@ class StatsLogger:
         running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting
         prompt_tps = (tokens[0] - self._log_tokens[0]) / elapsed
         gen_tps = (tokens[1] - self._log_tokens[1]) / elapsed
-        self._log_time, self._log_tokens = now, tokens
+        steps = (stats.num_timed_steps, stats.step_time_s, stats.model_time_s)
+        num_steps = steps[0] - self._log_steps[0]
+        step_ms = 1000 * (steps[1] - self._log_steps[1]) / num_steps if num_steps else 0.0
+        host_ms = step_ms - 1000 * (steps[2] - self._log_steps[2]) / num_steps if num_steps else 0.0
+        self._log_time, self._log_tokens, self._log_steps = now, tokens, steps
         if prompt_tps == 0 and gen_tps == 0 and running == 0 and waiting == 0:
             return False  # idle: nothing worth a line
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
-                    "Prefix cache hit rate: %.1f%%", prompt_tps, gen_tps, running, waiting,
-                    100 * engine.kv_manager.usage, stats.num_preemptions, 100 * stats.prefix_cache_hit_rate)
+                    "Prefix cache hit rate: %.1f%%, Steps: %d, Step time: %.2f ms (host %.2f ms)", prompt_tps,
+                    gen_tps, running, waiting, 100 * engine.kv_manager.usage, stats.num_preemptions,
+                    100 * stats.prefix_cache_hit_rate, num_steps, step_ms, host_ms)
         self._spec_log.maybe_log(stats, elapsed)
         return True
 

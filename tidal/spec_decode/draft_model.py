@@ -61,6 +61,7 @@ class DraftModelProposer:
         self.mirrors: dict[str, _Mirror] = {}
         self._dropped: list[str] = []
         self.weight_bytes = loaded.weight_bytes
+        self.model_time_s = 0.0  # seconds in the draft model's forwards and LM head, over its life
         logger.info("Draft model %s: %.1f MB of weights, its KV cache %.1f MiB = %d blocks", loaded.name,
                     loaded.weight_bytes / 1e6, plan.num_bytes / 2**20, plan.num_blocks)
 
@@ -93,6 +94,7 @@ class DraftModelProposer:
             out = self.runner.execute(SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled),
                                                       finished_ids=self._dropped))
             self._dropped = []
+            self.model_time_s += out.model_time_s
             nxt = []
             for sr in scheduled:
                 mirror = self.mirrors[sr.request_id]

@@ -246,6 +246,7 @@ class MultiprocExecutor(Executor):
                 raise ValueError(f"device 'cuda' with tensor_parallel_size x pipeline_parallel_size = {self.world} "
                                  f"needs {self.world} GPUs (one per rank), but torch sees {gpus}")
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.pipelined = config.pipeline_parallel_size > 1
         self.timeout_s = execute_timeout_s()
         self._failed: str | None = None
         ctx = mp.get_context("spawn")
@@ -345,7 +346,11 @@ class MultiprocExecutor(Executor):
 
     # -- the Executor interface ----------------------------------------------------------------------
     def execute(self, batch) -> RunnerOutput:
-        return self._call("execute", (batch,))[self.output_rank]
+        t0 = time.perf_counter()
+        out = self._call("execute", (batch,))[self.output_rank]
+        if self.pipelined:  # no one rank sees the pipeline's forward: its model time is the whole call's
+            out.model_time_s = time.perf_counter() - t0
+        return out
 
     def kv_bytes_per_token(self) -> int:
         return max(self._call("kv_bytes_per_token", ()))  # every rank gets the same number of blocks

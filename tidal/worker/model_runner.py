@@ -18,7 +18,9 @@ default generator lives there too. Each step's tensors are built on the host and
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +50,42 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> the prompt positions this step predicted
     prompt_logprobs: dict[str, list[PromptTokenLogprobs]] = field(default_factory=dict)
+    # seconds this run spent in the model: the forward and the LM head (ModelClock); the engine's stats
+    # call the rest of its step host time. Under tensor parallelism the output rank's (collectives
+    # included); under pipeline parallelism the executor sets it to its whole execute call.
+    model_time_s: float = 0.0
+
+
+class ModelClock:
+    """The time one ModelRunner.run spends in the model (its forward and LM head calls), cheaply: on the
+    host, wall time (perf_counter around each call); on CUDA, the GPU time between CUDA events around
+    them, as the host only queues the kernels (read once the step's results are back, so no extra sync
+    unless nothing was sampled)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self._events: list = []
+
+    @contextlib.contextmanager
+    def timed(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - t0
+
+    def total(self) -> float:
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000
+        self._events.clear()
+        return self.seconds
 
 
 class ModelRunner:
@@ -75,6 +113,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
         self.sampler = Sampler(self.default_generator)  # seeded rows need no generator of their own
         self.num_blocks = 0
+        self._clock: ModelClock | None = None  # the model time of the run in progress
 
     @classmethod
     def from_config(cls, loaded, config, eos_token_ids: tuple[int, ...]) -> ModelRunner:
@@ -198,11 +237,23 @@ class ModelRunner:
         out = RunnerOutput()
         if not scheduled:
             return out
+        clock = self._clock = ModelClock(self.device)
+        try:
+            self._run(scheduled, so, compute_logits, out)
+        finally:
+            self._clock = None
+        if compute_logits:  # (a pipeline stage before the last: the executor times the whole pipeline)
+            out.model_time_s = clock.total()
+        return out
+
+    def _run(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None, compute_logits: bool,
+             out: RunnerOutput) -> None:
         step = self.input_batch.prepare(scheduled)
-        with set_forward_context(self._forward_context(step)):
-            hidden = self.model(*self._model_inputs(step))  # [num_tokens, hidden]
+        inputs = self._model_inputs(step)
+        with set_forward_context(self._forward_context(step)), self._clock.timed():
+            hidden = self.model(*inputs)  # [num_tokens, hidden]
         if not compute_logits:
-            return out
+            return
 
         # rows whose logits we need: each sampling request's last known token and its drafts
         reqs, starts = step.reqs, step.query_start_loc
@@ -230,7 +281,6 @@ class ModelRunner:
         for i, r in enumerate(reqs):
             if self._wants_prompt_logprobs(r):
                 out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, int(starts[i]))
-        return out
 
     def _model_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return to_device(step.input_ids, self.device), to_device(step.positions, self.device)
@@ -254,8 +304,9 @@ class ModelRunner:
         """The LM head over the rows that sample: one row per request (or per draft), never a prompt's
         other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm). In the model's
         dtype: the sampler widens them where it needs to."""
+        timed = self._clock.timed() if self._clock is not None else contextlib.nullcontext()  # model time in run
         with set_forward_context(ForwardContext(hidden.shape[0], hidden.shape[0], [], skinny_gemm=True,
-                                                batch_invariant=self.batch_invariant)):
+                                                batch_invariant=self.batch_invariant)), timed:
             return self.model.compute_logits(hidden)
 
     @staticmethod

@@ -51,6 +51,7 @@ class RayExecutor(Executor):
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
         self.world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.pipelined = config.pipeline_parallel_size > 1
         self.timeout_s = execute_timeout_s()
         self._failed: str | None = None
         self.actors = []
@@ -112,7 +113,11 @@ class RayExecutor(Executor):
         return [info.pid for info in getattr(self, "worker_infos", [])]
 
     def execute(self, batch) -> RunnerOutput:
-        return self._call("execute", batch)[self.output_rank]
+        t0 = time.perf_counter()
+        out = self._call("execute", batch)[self.output_rank]
+        if self.pipelined:  # no one rank sees the pipeline's forward: its model time is the whole call's
+            out.model_time_s = time.perf_counter() - t0
+        return out
 
     def kv_bytes_per_token(self) -> int:
         return max(self._call("kv_bytes_per_token"))
