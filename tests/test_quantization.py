@@ -103,6 +103,9 @@ _QUANTIZED = re.compile(r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_pr
                         r"\.w[123]|embed_tokens|embeddings|lm_head)\.weight$")
 
 
+_TABLES = re.compile(r"(embed_tokens|embeddings|lm_head)\.weight$")
+
+
 def _dequantized_checkpoint(src: str, dst: str, scheme: str) -> str:
     """src's tensors with every weight the scheme quantizes replaced by its quantize-dequantize round trip."""
     os.makedirs(dst, exist_ok=True)
@@ -110,7 +113,8 @@ def _dequantized_checkpoint(src: str, dst: str, scheme: str) -> str:
     tensors = load_file(os.path.join(src, "model.safetensors"))
     for name, t in tensors.items():
         if _QUANTIZED.search(name) and (scheme != "experts_int8" or ".experts." in name):
-            tensors[name] = dequantize_rows(*quantize_rows(t, fmt))
+            table = _TABLES.search(name) is not None  # embedding / LM-head tables: int8 rows in every scheme
+            tensors[name] = dequantize_rows(*quantize_rows(t, torch.int8 if table else fmt))
     save_file(tensors, os.path.join(dst, "model.safetensors"))
     shutil.copy(os.path.join(src, "config.json"), dst)
     return dst
@@ -141,6 +145,13 @@ def test_quantized_weights_are_stored_narrow(models):
     model = llm.llm_engine.executor.runner.model
     assert all(m.weight.dtype == torch.int8 for m in model.modules() if isinstance(m, LinearBase))
     assert model.model.embed_tokens.weight.dtype == torch.int8
+
+    # fp8: E4M3 linears, the embedding / LM-head table in int8 rows (the same byte, less rounding error)
+    llm = LLM(models["llama"], quantization="fp8", **ENGINE)
+    model = llm.llm_engine.executor.runner.model
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in model.modules() if isinstance(m, LinearBase))
+    assert model.model.embed_tokens.weight.dtype == torch.int8
+    assert model.lm_head.weight.dtype == torch.int8
 
 
 def test_int8_weights_take_about_a_quarter_of_fp32(models):

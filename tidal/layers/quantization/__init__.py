@@ -11,8 +11,9 @@ layers, the MoE experts and the embedding tables. Model files do not change per 
     experts_int8  only the MoE experts in int8 (W8A16), everything else in the model dtype: the recipe
                   that serves Jamba-1.5-Large on 8 GPUs
 
-int8, w8a8 and fp8 quantize the experts and the embedding table (and LM head, tied or not) too; the
-LM head computes its logits weight-only (W8A16 / fp8 weights, activations unquantized) in every scheme.
+int8, w8a8 and fp8 quantize the experts and the embedding table (and LM head, tied or not) too, the
+table in int8 rows under every scheme (fp8 included: E4M3's 3-bit mantissa costs the most there); the
+LM head computes its logits weight-only (W8A16, activations unquantized) in every scheme.
 Weights are quantized row by row as they load: a row's scale is its largest magnitude over 127 (int8)
 or 448 (E4M3), so a fused QKV or gate/up matrix and a tensor-parallel shard quantize exactly like the
 separate matrices would.
