@@ -287,7 +287,7 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
       const int64_t blk = table[t0 / bs], off = t0 % bs;
       base[v] = k_cache + (blk * Hk + h) * D * bs + off;
       if (off == 0) {
-        constexpr int64_t ahead = 4;  // as in scores_vec
+        constexpr int64_t ahead = 4 * TV;  // as in scores_vec: four steps ahead
         if (t0 + ahead * bs < L)
           prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs + ahead] * Hk + h) * D * bs),
                                       chunk_bytes);
