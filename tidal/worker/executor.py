@@ -124,6 +124,17 @@ class Executor:
     def execute(self, batch) -> RunnerOutput:
         raise NotImplementedError
 
+    output_rank = 0  # the rank whose RunnerOutput is the step's (the last pipeline stage's first)
+
+    def _output_of(self, call) -> RunnerOutput:
+        """The output rank's result of call() (every rank's results). Under pipeline parallelism (an output
+        rank past 0) no one rank sees the whole forward, so the model time is the whole call's."""
+        t0 = time.perf_counter()
+        out = call()[self.output_rank]
+        if self.output_rank > 0:
+            out.model_time_s = time.perf_counter() - t0
+        return out
+
     def kv_bytes_per_token(self) -> int:
         raise NotImplementedError
 
@@ -246,7 +257,6 @@ class MultiprocExecutor(Executor):
                 raise ValueError(f"device 'cuda' with tensor_parallel_size x pipeline_parallel_size = {self.world} "
                                  f"needs {self.world} GPUs (one per rank), but torch sees {gpus}")
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-        self.pipelined = config.pipeline_parallel_size > 1
         self.timeout_s = execute_timeout_s()
         self._failed: str | None = None
         ctx = mp.get_context("spawn")
@@ -346,11 +356,7 @@ class MultiprocExecutor(Executor):
 
     # -- the Executor interface ----------------------------------------------------------------------
     def execute(self, batch) -> RunnerOutput:
-        t0 = time.perf_counter()
-        out = self._call("execute", (batch,))[self.output_rank]
-        if self.pipelined:  # no one rank sees the pipeline's forward: its model time is the whole call's
-            out.model_time_s = time.perf_counter() - t0
-        return out
+        return self._output_of(lambda: self._call("execute", (batch,)))
 
     def kv_bytes_per_token(self) -> int:
         return max(self._call("kv_bytes_per_token", ()))  # every rank gets the same number of blocks

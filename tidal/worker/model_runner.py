@@ -67,6 +67,10 @@ class ModelClock:
         self.seconds = 0.0
         self._events: list = []
 
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self._events.clear()
+
     @contextlib.contextmanager
     def timed(self):
         if self.cuda:
@@ -113,7 +117,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
         self.sampler = Sampler(self.default_generator)  # seeded rows need no generator of their own
         self.num_blocks = 0
-        self._clock: ModelClock | None = None  # the model time of the run in progress
+        self._clock = ModelClock(self.device)  # the model time of the run in progress (reset by each run)
 
     @classmethod
     def from_config(cls, loaded, config, eos_token_ids: tuple[int, ...]) -> ModelRunner:
@@ -237,23 +241,13 @@ class ModelRunner:
         out = RunnerOutput()
         if not scheduled:
             return out
-        clock = self._clock = ModelClock(self.device)
-        try:
-            self._run(scheduled, so, compute_logits, out)
-        finally:
-            self._clock = None
-        if compute_logits:  # (a pipeline stage before the last: the executor times the whole pipeline)
-            out.model_time_s = clock.total()
-        return out
-
-    def _run(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None, compute_logits: bool,
-             out: RunnerOutput) -> None:
+        self._clock.reset()
         step = self.input_batch.prepare(scheduled)
         inputs = self._model_inputs(step)
         with set_forward_context(self._forward_context(step)), self._clock.timed():
             hidden = self.model(*inputs)  # [num_tokens, hidden]
-        if not compute_logits:
-            return
+        if not compute_logits:  # a pipeline stage before the last: the executor times the whole pipeline
+            return out
 
         # rows whose logits we need: each sampling request's last known token and its drafts
         reqs, starts = step.reqs, step.query_start_loc
@@ -281,6 +275,8 @@ class ModelRunner:
         for i, r in enumerate(reqs):
             if self._wants_prompt_logprobs(r):
                 out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, int(starts[i]))
+        out.model_time_s = self._clock.total()
+        return out
 
     def _model_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return to_device(step.input_ids, self.device), to_device(step.positions, self.device)
@@ -304,9 +300,8 @@ class ModelRunner:
         """The LM head over the rows that sample: one row per request (or per draft), never a prompt's
         other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm). In the model's
         dtype: the sampler widens them where it needs to."""
-        timed = self._clock.timed() if self._clock is not None else contextlib.nullcontext()  # model time in run
         with set_forward_context(ForwardContext(hidden.shape[0], hidden.shape[0], [], skinny_gemm=True,
-                                                batch_invariant=self.batch_invariant)), timed:
+                                                batch_invariant=self.batch_invariant)), self._clock.timed():
             return self.model.compute_logits(hidden)
 
     @staticmethod

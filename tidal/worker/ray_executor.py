@@ -51,7 +51,6 @@ class RayExecutor(Executor):
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
         self.world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-        self.pipelined = config.pipeline_parallel_size > 1
         self.timeout_s = execute_timeout_s()
         self._failed: str | None = None
         self.actors = []
@@ -113,11 +112,7 @@ class RayExecutor(Executor):
         return [info.pid for info in getattr(self, "worker_infos", [])]
 
     def execute(self, batch) -> RunnerOutput:
-        t0 = time.perf_counter()
-        out = self._call("execute", batch)[self.output_rank]
-        if self.pipelined:  # no one rank sees the pipeline's forward: its model time is the whole call's
-            out.model_time_s = time.perf_counter() - t0
-        return out
+        return self._output_of(lambda: self._call("execute", batch))
 
     def kv_bytes_per_token(self) -> int:
         return max(self._call("kv_bytes_per_token"))
