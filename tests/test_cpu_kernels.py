@@ -292,6 +292,55 @@ def test_prompt_chunk_tokens_attended_in_tiles_equal_each_token_alone(dtype, cac
     torch.testing.assert_close(batched.float(), reference, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("hq,hk,d,bs", [(9, 3, 64, 16), (8, 2, 32, 16), (4, 4, 64, 32), (12, 2, 64, 16)])
+def test_decodes_sharing_prefix_blocks_equal_each_alone(dtype, cache_dtype, hq, hk, d, bs):
+    """Decodes of different requests whose block tables start with the same blocks (a prompt prefix in
+    the prefix cache) are attended as one tile over those blocks, each continuing alone over its own;
+    every output is bitwise what it is when the decode is attended alone, whatever its batch."""
+    torch.manual_seed(0)
+    nb = 120
+    kv = torch.randn(kv_cache_shape(nb, bs, hk, d)).to(cache_dtype)
+    k_cache, v_cache = split_kv_cache(kv)
+    perm = torch.randperm(nb).tolist()
+    prefix_a, prefix_b, rest = perm[:7], perm[7:12], iter(perm[12:])
+
+    def table(prefix, own):
+        return prefix + [next(rest) for _ in range(own)] + [0] * (12 - len(prefix) - own)
+
+    rows = [  # (table, length)
+        (table(prefix_a, 3), 7 * bs + 2 * bs + 5),   # shares 7 blocks with the next three
+        (table(prefix_a, 1), 7 * bs + 1),
+        (table(prefix_a, 0), 7 * bs),                 # ends where the shared blocks end
+        (table(prefix_a, 4), 7 * bs + 3 * bs + 2),
+        (table(prefix_a[:5], 5), 9 * bs + 7),         # shares 5 of them
+        (table(prefix_a[:2], 6), 6 * bs + 3),         # shares only 2: attended alone
+        (table(prefix_b, 2), 5 * bs + 2 * bs - 1),    # another prefix
+        (table(prefix_b, 1), 5 * bs + 9),
+        (table(prefix_a[:6], 0), 5 * bs + 11),        # inside the shared blocks' span, 5 complete blocks
+    ]
+    tables = torch.tensor([t for t, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    # a prompt chunk of 3 tokens over the first table sits among the decodes
+    index = torch.tensor([0, 1, 2, 3, 0, 0, 0, 4, 5, 6, 7, 8])
+    lens = torch.cat([lens[:4], torch.tensor([7 * bs + 2, 7 * bs + 3, 7 * bs + 4]), lens[4:]])
+    q = torch.randn(len(index), hq, d).to(dtype)
+    batched = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, index)
+    for i in range(len(index)):
+        alone = cpu_kernels.paged_attention_decode(q[i:i + 1], k_cache, v_cache, tables, lens[i:i + 1], d ** -0.5,
+                                                   index[i:i + 1])
+        assert torch.equal(alone, batched[i:i + 1]), i
+    # and in another order (other groups form)
+    flip = torch.arange(len(index) - 1, -1, -1)
+    flipped = cpu_kernels.paged_attention_decode(q[flip], k_cache, v_cache, tables, lens[flip], d ** -0.5, index[flip])
+    assert torch.equal(flipped, batched[flip])
+    reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables[index], lens, int(lens.max()),
+                                 d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 and cache_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(batched.float(), reference, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [49152, 1000, 7])  # lane multiples and ragged tails
 def test_argmax_rows_matches_torch_and_takes_the_first_maximum(dtype, vocab):

@@ -169,18 +169,19 @@ static void silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int num
 // registers of tokens (possibly of different blocks) per query head are in flight at once, so that
 // G * TV independent FMA chains hide the FMA latency and each broadcast query value serves TV vectors.
 // G (query heads per KV head) and C (head_dim / W) are template parameters so the accumulators stay
-// in registers.
+// in registers. Tokens [t_begin, t_end) (t_begin a multiple of bs); row g's scores at scores + g * stride.
 template <int DT, int G, int C, int TV>
-static void scores_vec(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
-                       int64_t h, int64_t Hk, int64_t bs, float* scores) {
+static void scores_vec(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table,
+                       int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
+                       float* scores) {
   constexpr int64_t D = C * W, STEP = TV * W;
   float tmp[W];
   const int64_t chunk_bytes = D * bs * elem_size<DT>();  // one block of one head: contiguous
-  for (int64_t start = 0; start < L; start += STEP) {
+  for (int64_t start = t_begin; start < t_end; start += STEP) {
     int64_t base[TV];
     for (int v = 0; v < TV; ++v) {
       const int64_t t0 = start + v * W;
-      if (t0 >= L) { base[v] = base[0]; continue; }  // past the sequence: computed, never stored
+      if (t0 >= t_end) { base[v] = base[0]; continue; }  // past the range: computed, never stored
       const int64_t blk = table[t0 / bs], off = t0 % bs;
       base[v] = (blk * Hk + h) * D * bs + off;
       if (off == 0) {
@@ -188,7 +189,7 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
         // (into L2: more misses can be in flight there than in L1; measured 1.25x over one block ahead
         // into L1) and for this block's V (the second pass reads it; a request's V fits in L2).
         constexpr int64_t ahead = 4;
-        if (t0 + ahead * bs < L)
+        if (t0 + ahead * bs < t_end)
           prefetch_bytes<_MM_HINT_T1>(static_cast<const char*>(k_cache) + (table[t0 / bs + ahead] * Hk + h) * chunk_bytes,
                                       chunk_bytes);
         prefetch_bytes<_MM_HINT_T1>(static_cast<const char*>(v_cache) + (blk * Hk + h) * chunk_bytes, chunk_bytes);
@@ -207,52 +208,53 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
     }
     for (int v = 0; v < TV; ++v) {
       const int64_t t0 = start + v * W;
-      if (t0 >= L) break;
-      const int64_t n = std::min<int64_t>(W, L - t0);
+      if (t0 >= t_end) break;
+      const int64_t n = std::min<int64_t>(W, t_end - t0);
       for (int g = 0; g < G; ++g) {
         if (n == W) {
-          simd::store(scores + g * L + t0, acc[g][v]);
+          simd::store(scores + g * stride + t0, acc[g][v]);
         } else {
           simd::store(tmp, acc[g][v]);
-          std::copy(tmp, tmp + n, scores + g * L + t0);
+          std::copy(tmp, tmp + n, scores + g * stride + t0);
         }
       }
     }
   }
 }
 
-// Weighted sum of V rows: out[g] = sum_t p[g, t] V[t]. The head dim is covered in passes of CB
-// vectors, with all G query heads' sums for those CB vectors in registers (G * CB <= kAccRegs) for the
-// whole sequence: each pass reads its own part of every V row, so V is read (and widened) once.
+// Weighted sum of V rows: acc[g] += sum_t p[g, t] V[t] over tokens [t_begin, t_end) (t_begin a multiple of
+// bs), starting from zero when init. The head dim is covered in passes of CB vectors, with all G query
+// heads' sums for those CB vectors in registers (G * CB <= kAccRegs) for the whole range: each pass reads
+// its own part of every V row, so V is read (and widened) once. Row g's probabilities at p + g * stride.
 template <int DT, int G, int C>
-static void accumulate_vec(const float* scores, const void* v_cache, const int64_t* table, int64_t L, int64_t h,
-                           int64_t Hk, int64_t bs, float* out) {
+static void accumulate_vec(const float* p, int64_t stride, const void* v_cache, const int64_t* table,
+                           int64_t t_begin, int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init) {
   constexpr int64_t D = C * W;
   constexpr int kAccRegs = W == 16 ? 24 : 12;
   constexpr int CB = std::max(1, std::min(C, kAccRegs / G));  // vectors of the head dim per pass
   const int64_t chunk_bytes = D * bs * elem_size<DT>();
   for (int c0 = 0; c0 < C; c0 += CB) {
+    const int cn = std::min(CB, C - c0);
     vf av[G][CB];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CB; ++c) av[g][c] = simd::zero();
-    const int cn = std::min(CB, C - c0);
-    for (int64_t start = 0; start < L; start += bs) {  // block by block: no division per token
-      const int64_t n = std::min(bs, L - start);
+      for (int c = 0; c < CB; ++c) av[g][c] = init || c >= cn ? simd::zero() : simd::load(acc + g * D + (c0 + c) * W);
+    for (int64_t start = t_begin; start < t_end; start += bs) {  // block by block: no division per token
+      const int64_t n = std::min(bs, t_end - start);
       const int64_t block_base = (table[start / bs] * Hk + h) * bs * D + c0 * W;
-      if (c0 == 0 && start + bs < L)
+      if (c0 == 0 && start + bs < t_end)
         prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
       for (int64_t off = 0; off < n; ++off) {
         const int64_t base = block_base + off * D, t = start + off;
         vf vv[CB];
         for (int c = 0; c < CB; ++c) vv[c] = c < cn ? loadv<DT>(v_cache, base + c * W) : simd::zero();
         for (int g = 0; g < G; ++g) {
-          const vf p = simd::set1(scores[g * L + t]);
-          for (int c = 0; c < CB; ++c) av[g][c] = simd::fmadd(p, vv[c], av[g][c]);
+          const vf pv = simd::set1(p[g * stride + t]);
+          for (int c = 0; c < CB; ++c) av[g][c] = simd::fmadd(pv, vv[c], av[g][c]);
         }
       }
     }
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < cn; ++c) simd::store(out + g * D + (c0 + c) * W, av[g][c]);
+      for (int c = 0; c < cn; ++c) simd::store(acc + g * D + (c0 + c) * W, av[g][c]);
   }
 }
 
@@ -260,10 +262,11 @@ static void accumulate_vec(const float* scores, const void* v_cache, const int64
 // bf16 cache: the dot products run on VDPBF16PS (pairs of bf16 products accumulated in fp32, twice
 // the work of an fp32 FMA per instruction). Scores: q . k with q, k in bf16 (exact products), then
 // scaled. K rows of dims 2p and 2p+1 (16 tokens each) are interleaved into (dim 2p, dim 2p+1) pairs per
-// token with one permute.
+// token with one permute. Tokens and rows as in scores_vec.
 template <int G, int C>
 static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache, const uint16_t* v_cache,
-                        const int64_t* table, int64_t L, int64_t h, int64_t Hk, int64_t bs, float* scores) {
+                        const int64_t* table, int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk,
+                        int64_t bs, float* scores) {
   constexpr int64_t D = C * 16;
   // TV groups of 16 tokens (possibly of different blocks) are in flight at once, so that G * TV
   // independent VDPBF16PS chains hide the instruction's latency when G is small (a decode's query heads
@@ -279,16 +282,16 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
   const __m512 sv = _mm512_set1_ps(scale);
   float tmp[16];
   const int64_t chunk_bytes = D * bs * 2;
-  for (int64_t start = 0; start < L; start += STEP) {
+  for (int64_t start = t_begin; start < t_end; start += STEP) {
     const uint16_t* base[TV];
     for (int v = 0; v < TV; ++v) {
       const int64_t t0 = start + v * 16;
-      if (t0 >= L) { base[v] = base[0]; continue; }  // past the sequence: computed, never stored
+      if (t0 >= t_end) { base[v] = base[0]; continue; }  // past the range: computed, never stored
       const int64_t blk = table[t0 / bs], off = t0 % bs;
       base[v] = k_cache + (blk * Hk + h) * D * bs + off;
       if (off == 0) {
         constexpr int64_t ahead = 4 * TV;  // as in scores_vec: four steps ahead
-        if (t0 + ahead * bs < L)
+        if (t0 + ahead * bs < t_end)
           prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs + ahead] * Hk + h) * D * bs),
                                       chunk_bytes);
         prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (blk * Hk + h) * D * bs), chunk_bytes);
@@ -319,168 +322,278 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
     }
     for (int v = 0; v < TV; ++v) {
       const int64_t t0 = start + v * 16;
-      if (t0 >= L) break;
-      const int64_t n = std::min<int64_t>(16, L - t0);
+      if (t0 >= t_end) break;
+      const int64_t n = std::min<int64_t>(16, t_end - t0);
       for (int g = 0; g < G; ++g) {
         const __m512 s = _mm512_mul_ps(acc[g][v], sv);
         if (n == 16) {
-          _mm512_storeu_ps(scores + g * L + t0, s);
+          _mm512_storeu_ps(scores + g * stride + t0, s);
         } else {
           _mm512_storeu_ps(tmp, s);
-          std::copy(tmp, tmp + n, scores + g * L + t0);
+          std::copy(tmp, tmp + n, scores + g * stride + t0);
         }
       }
     }
   }
 }
 
-// Weighted sum of V rows with the probabilities rounded to bf16 (as torch's CPU flash attention does
-// before its P.V product): rows t and t + 1 are interleaved into (token t, token t + 1) pairs per dim,
-// so one VDPBF16PS adds two tokens. unpacklo/hi interleave within 128-bit lanes: accumulator lane j
-// of chunk 2c (2c + 1) holds dim 32c + 8 (j / 4) + j % 4 (+ 4).
-template <int G, int C>
-static void accumulate_bf16(const float* scores, const uint16_t* v_cache, const int64_t* table, int64_t L,
-                            int64_t h, int64_t Hk, int64_t bs, uint32_t* ppairs, float* out) {
-  constexpr int64_t D = C * 16;
-  // probabilities to bf16 in token order: read as 32-bit words, element i is the pair (2i, 2i + 1)
-  const int64_t half = (L + 1) / 2;
-  for (int g = 0; g < G; ++g) {
-    const float* sg = scores + g * L;
-    uint16_t* pb = reinterpret_cast<uint16_t*>(ppairs + g * half);
+// The probabilities of `rows` rows rounded to bf16 (as torch's CPU flash attention does before its P.V
+// product), in token order; read as 32-bit words, element i of row r is the pair (2i, 2i + 1). Row r
+// (stride `stride` floats in, (stride + 1) / 2 words out) converts its first ends[r / G] values; an odd
+// count gets a zero partner.
+static void bf16_pairs(const float* scores, int64_t stride, int64_t rows, int64_t G, const int64_t* ends,
+                       uint32_t* ppairs) {
+  const int64_t half = (stride + 1) / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sg = scores + r * stride;
+    uint16_t* pb = reinterpret_cast<uint16_t*>(ppairs + r * half);
+    const int64_t L = ends[r / G];
     int64_t t = 0;
     for (; t + 32 <= L; t += 32)
       _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + t + 16), _mm512_loadu_ps(sg + t)));
     for (; t < L; ++t) pb[t] = float_to_bf16(sg[t]);
     if (L % 2) pb[L] = 0;
   }
-  __m512 av[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
+}
+
+static constexpr int pow2_floor(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
+
+// Weighted sum of V rows over the bf16 probability pairs of bf16_pairs (row g at ppairs + g * half): rows
+// t and t + 1 are interleaved into (token t, token t + 1) pairs per dim, so one VDPBF16PS adds two tokens.
+// Tokens [t_begin, t_end), t_begin a multiple of bs (bs is even: a pair never straddles two blocks). acc
+// [G][C][16] holds the sums in the accumulators' lane order (see bf16_acc_to_rows), from zero when init.
+// The head dim is covered in passes of P2 32-dim units, so that at most 24 accumulators are live.
+template <int G, int C>
+static void accumulate_bf16(const uint32_t* ppairs, int64_t half, const uint16_t* v_cache, const int64_t* table,
+                            int64_t t_begin, int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init) {
+  constexpr int64_t D = C * 16;
+  constexpr int C2 = C / 2, P2 = pow2_floor(std::min(C2, std::max(1, 12 / G)));
+  static_assert(C2 % P2 == 0, "passes cover the head dim");
   const int64_t chunk_bytes = D * bs * 2;
-  for (int64_t start = 0; start < L; start += bs) {  // bs is even: a pair never straddles two blocks
-    const int64_t n = std::min(bs, L - start);
-    const uint16_t* block = v_cache + (table[start / bs] * Hk + h) * bs * D;
-    if (start + bs < L)
-      prefetch_bytes(reinterpret_cast<const char*>(v_cache + (table[start / bs + 1] * Hk + h) * bs * D), chunk_bytes);
-    for (int64_t off = 0; off < n; off += 2) {
-      const uint16_t* r0p = block + off * D;
-      const bool pair = off + 1 < n;  // the last token alone: its partner row may hold anything
-      __m512i pp[G];
-      for (int g = 0; g < G; ++g) pp[g] = _mm512_set1_epi32(static_cast<int>(ppairs[g * half + (start + off) / 2]));
-      for (int c2 = 0; c2 < C / 2; ++c2) {
-        const __m512i r0 = _mm512_loadu_si512(r0p + c2 * 32);
-        const __m512i r1 = pair ? _mm512_loadu_si512(r0p + D + c2 * 32) : _mm512_setzero_si512();
-        const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
-        for (int g = 0; g < G; ++g) {
-          av[g][2 * c2] = _mm512_dpbf16_ps(av[g][2 * c2], (__m512bh)lo, (__m512bh)pp[g]);
-          av[g][2 * c2 + 1] = _mm512_dpbf16_ps(av[g][2 * c2 + 1], (__m512bh)hi, (__m512bh)pp[g]);
+  for (int u0 = 0; u0 < C2; u0 += P2) {
+    __m512 av[G][2 * P2];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 2 * P2; ++c)
+        av[g][c] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (g * C + 2 * u0 + c) * 16);
+    for (int64_t start = t_begin; start < t_end; start += bs) {
+      const int64_t n = std::min(bs, t_end - start);
+      const uint16_t* block = v_cache + (table[start / bs] * Hk + h) * bs * D + u0 * 32;
+      if (u0 == 0 && start + bs < t_end)
+        prefetch_bytes(reinterpret_cast<const char*>(v_cache + (table[start / bs + 1] * Hk + h) * bs * D), chunk_bytes);
+      for (int64_t off = 0; off < n; off += 2) {
+        const uint16_t* r0p = block + off * D;
+        const bool pair = off + 1 < n;  // the last token alone: its partner row may hold anything
+        __m512i pp[G];
+        for (int g = 0; g < G; ++g) pp[g] = _mm512_set1_epi32(static_cast<int>(ppairs[g * half + (start + off) / 2]));
+        for (int u = 0; u < P2; ++u) {
+          const __m512i r0 = _mm512_loadu_si512(r0p + u * 32);
+          const __m512i r1 = pair ? _mm512_loadu_si512(r0p + D + u * 32) : _mm512_setzero_si512();
+          const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+          for (int g = 0; g < G; ++g) {
+            av[g][2 * u] = _mm512_dpbf16_ps(av[g][2 * u], (__m512bh)lo, (__m512bh)pp[g]);
+            av[g][2 * u + 1] = _mm512_dpbf16_ps(av[g][2 * u + 1], (__m512bh)hi, (__m512bh)pp[g]);
+          }
         }
       }
     }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 2 * P2; ++c) _mm512_storeu_ps(acc + (g * C + 2 * u0 + c) * 16, av[g][c]);
   }
-  float tmp[2][16];
-  for (int g = 0; g < G; ++g)
-    for (int c2 = 0; c2 < C / 2; ++c2) {
-      _mm512_storeu_ps(tmp[0], av[g][2 * c2]);
-      _mm512_storeu_ps(tmp[1], av[g][2 * c2 + 1]);
+}
+
+// accumulate_bf16's sums [rows][C][16] to rows of D = 16 C dims in order. unpacklo/hi interleave within
+// 128-bit lanes: lane j of chunk 2c (2c + 1) holds dim 32c + 8 (j / 4) + j % 4 (+ 4).
+static void bf16_acc_to_rows(const float* acc, int64_t rows, int64_t C, float* out) {
+  const int64_t D = C * 16;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c2 = 0; c2 < C / 2; ++c2) {
+      const float* a0 = acc + (r * C + 2 * c2) * 16;
       for (int j = 0; j < 16; ++j) {
         const int64_t d = c2 * 32 + 8 * (j / 4) + j % 4;
-        out[g * D + d] = tmp[0][j];
-        out[g * D + d + 4] = tmp[1][j];
+        out[r * D + d] = a0[j];
+        out[r * D + d + 4] = a0[16 + j];
       }
     }
 }
 #endif
 
-// One item on the vector path: R query rows against one KV head's first L cached tokens: scores,
-// softmax, weighted sum of V. The rows are R / G query tokens of one request (G query heads each,
-// token-major); token i sees its first qlen[i] <= L tokens (a prompt chunk's tokens see one more
-// token each), the probabilities past that are zero. Every row is computed exactly as when its token
-// is attended alone. qf holds the rows unscaled, in fp32; work (R * L floats, then R * L / 2 pairs)
-// is scratch space. QEXACT: the queries are values of the cache dtype (not fp32 queries over a bf16
-// cache).
-template <int DT, int R, int C, bool QEXACT>
-static void attend_vec(float* qf, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
-                       int64_t L, const int64_t* qlen, int64_t G, int64_t h, int64_t Hk, int64_t bs, float* scores,
-                       float* acc) {
-  auto softmax_rows = [&]() {
-    for (int r = 0; r < R; ++r) {
-      const int64_t n = qlen[r / G];
-      softmax_vec(scores + r * L, n);
-      std::fill(scores + r * L + n, scores + (r + 1) * L, 0.f);
-    }
-  };
+// The two halves of attention for R query rows on one path (the VDPBF16PS path for exact bf16 queries
+// over a bf16 cache with an even number of 16-dim chunks, the fp32-accumulating vector path otherwise):
+// scores over a range of tokens, and the weighted sum of V over a range, continuing earlier sums. The
+// queries are prepared by the caller (prepare_queries): bf16 values, or fp32 values scaled.
+using ScoresFn = void (*)(const void* q, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
+                          int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
+                          float* scores);
+using AccFn = void (*)(const void* probs, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
+                       int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init);
+struct RowKernels {
+  ScoresFn scores = nullptr;
+  AccFn acc = nullptr;
+  explicit operator bool() const { return scores != nullptr; }
+};
+
+template <int DT, int C, bool QEXACT>
+static constexpr bool bf16_path() {
 #if defined(__AVX512BF16__)
-  if constexpr (DT == kBF16 && C % 2 == 0 && QEXACT) {
-    uint16_t qb[R * C * 16];
-    for (int64_t i = 0; i < R * C * 16; ++i) qb[i] = float_to_bf16(qf[i]);  // exact: qf came from bf16
-    const auto kc = static_cast<const uint16_t*>(k_cache);
-    const auto vc = static_cast<const uint16_t*>(v_cache);
-    scores_bf16<R, C>(qb, scale, kc, vc, table, L, h, Hk, bs, scores);
-    softmax_rows();
-    accumulate_bf16<R, C>(scores, vc, table, L, h, Hk, bs, reinterpret_cast<uint32_t*>(scores + R * L), acc);
+  return DT == kBF16 && C % 2 == 0 && QEXACT;
+#else
+  return false;
+#endif
+}
+
+template <int DT, int R, int C, bool QEXACT>
+static void scores_rows(const void* q, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
+                        int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
+                        float* scores) {
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_path<DT, C, QEXACT>()) {
+    scores_bf16<R, C>(static_cast<const uint16_t*>(q), scale, static_cast<const uint16_t*>(k_cache),
+                      static_cast<const uint16_t*>(v_cache), table, t_begin, t_end, stride, h, Hk, bs, scores);
     return;
   }
 #endif
-  for (int64_t i = 0; i < R * C * W; ++i) qf[i] *= scale;
   // as many independent FMA chains as the registers hold: R * TV accumulators + TV K vectors + the
   // broadcast query value (16 registers on AVX2, 32 on AVX-512)
   constexpr int TV = std::max(1, std::min(4, (W == 16 ? 24 : 15) / (R + 1)));
-  scores_vec<DT, R, C, TV>(qf, k_cache, v_cache, table, L, h, Hk, bs, scores);
-  softmax_rows();
-  accumulate_vec<DT, R, C>(scores, v_cache, table, L, h, Hk, bs, acc);
+  scores_vec<DT, R, C, TV>(static_cast<const float*>(q), k_cache, v_cache, table, t_begin, t_end, stride, h, Hk, bs,
+                           scores);
 }
 
-using AttendFn = void (*)(float*, float, const void*, const void*, const int64_t*, int64_t, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, float*, float*);
+template <int DT, int R, int C, bool QEXACT>
+static void acc_rows(const void* probs, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
+                     int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init) {
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_path<DT, C, QEXACT>()) {
+    accumulate_bf16<R, C>(static_cast<const uint32_t*>(probs), stride, static_cast<const uint16_t*>(v_cache), table,
+                          t_begin, t_end, h, Hk, bs, acc, init);
+    return;
+  }
+#endif
+  accumulate_vec<DT, R, C>(static_cast<const float*>(probs), stride, v_cache, table, t_begin, t_end, h, Hk, bs, acc,
+                           init);
+}
 
 template <int DT, bool QEXACT, int R>
-static AttendFn attend_for_chunks(int64_t C) {
+static RowKernels row_kernels_for_chunks(int64_t C) {
   switch (C) {
-    case 1: return attend_vec<DT, R, 1, QEXACT>;
-    case 2: return attend_vec<DT, R, 2, QEXACT>;
-    case 4: return attend_vec<DT, R, 4, QEXACT>;
-    case 8: return attend_vec<DT, R, 8, QEXACT>;
-    case 16: return attend_vec<DT, R, 16, QEXACT>;
-    default: return nullptr;
+    case 1: return {scores_rows<DT, R, 1, QEXACT>, acc_rows<DT, R, 1, QEXACT>};
+    case 2: return {scores_rows<DT, R, 2, QEXACT>, acc_rows<DT, R, 2, QEXACT>};
+    case 4: return {scores_rows<DT, R, 4, QEXACT>, acc_rows<DT, R, 4, QEXACT>};
+    case 8: return {scores_rows<DT, R, 8, QEXACT>, acc_rows<DT, R, 8, QEXACT>};
+    case 16: return {scores_rows<DT, R, 16, QEXACT>, acc_rows<DT, R, 16, QEXACT>};
+    default: return {};
   }
 }
 
-// The vector kernel for R query rows and head_dim D, or null (generic path).
+// The vector kernels for R query rows and head_dim D, or none (generic path).
 template <int DT, bool QEXACT>
-static AttendFn attend_for(int64_t R, int64_t D) {
-  if (D % W != 0) return nullptr;
+static RowKernels row_kernels_for(int64_t R, int64_t D) {
+  if (D % W != 0) return {};
   const int64_t C = D / W;
   switch (R) {
-    case 1: return attend_for_chunks<DT, QEXACT, 1>(C);
-    case 2: return attend_for_chunks<DT, QEXACT, 2>(C);
-    case 3: return attend_for_chunks<DT, QEXACT, 3>(C);
-    case 4: return attend_for_chunks<DT, QEXACT, 4>(C);
-    case 5: return attend_for_chunks<DT, QEXACT, 5>(C);
-    case 6: return attend_for_chunks<DT, QEXACT, 6>(C);
-    case 7: return attend_for_chunks<DT, QEXACT, 7>(C);
-    case 8: return attend_for_chunks<DT, QEXACT, 8>(C);
-    case 10: return attend_for_chunks<DT, QEXACT, 10>(C);
-    case 12: return attend_for_chunks<DT, QEXACT, 12>(C);
-    default: return nullptr;
+    case 1: return row_kernels_for_chunks<DT, QEXACT, 1>(C);
+    case 2: return row_kernels_for_chunks<DT, QEXACT, 2>(C);
+    case 3: return row_kernels_for_chunks<DT, QEXACT, 3>(C);
+    case 4: return row_kernels_for_chunks<DT, QEXACT, 4>(C);
+    case 5: return row_kernels_for_chunks<DT, QEXACT, 5>(C);
+    case 6: return row_kernels_for_chunks<DT, QEXACT, 6>(C);
+    case 7: return row_kernels_for_chunks<DT, QEXACT, 7>(C);
+    case 8: return row_kernels_for_chunks<DT, QEXACT, 8>(C);
+    case 10: return row_kernels_for_chunks<DT, QEXACT, 10>(C);
+    case 12: return row_kernels_for_chunks<DT, QEXACT, 12>(C);
+    default: return {};
   }
 }
 
-// Query tokens per tile of a prompt chunk for G query heads per KV head: as many as keep R = QT * G
-// rows within the instantiated sizes (at most 12: the accumulators stay in registers).
+// Query tokens per tile for G query heads per KV head: as many as keep R = QT * G rows within the
+// instantiated sizes (at most 12: the accumulators stay in registers).
 static int64_t query_tile(int64_t G) {
   for (int64_t qt = 8; qt > 1; --qt)
     if (qt * G <= 12 && (qt * G <= 8 || qt * G == 10 || qt * G == 12)) return qt;
   return 1;
 }
+
+// One item on the vector path: m query tokens (G query heads each, R = m G rows, token-major) against one
+// KV head. Token i reads the cache through tables[i] and sees its first lens[i] tokens. The first S tokens
+// are the same blocks for every token: they are attended as one tile (each K/V row read serves all R rows),
+// then each token with lens[i] > S continues alone over its own tokens [S, lens[i]): its scores, and its
+// sums of V carried on from the tile's. Tokens of a prompt chunk have S = the longest length, and the
+// probabilities past a token's length are zero; decodes of requests that share prefix blocks have S = the
+// shared part. Every row is computed exactly as when its token is attended alone (the same chains of
+// products in the same order). qf holds the rows unscaled, in fp32 (it is overwritten); out gets fp32 rows.
+template <bool BF16>
+static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf, int64_t m, int64_t G, int64_t D,
+                        float scale, const void* k_cache, const void* v_cache, const int64_t* const* tables,
+                        const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs, std::vector<float>& work,
+                        float* acc, float* out) {
+  const int64_t R = m * G;
+  int64_t stride = S, ends[8];
+  for (int64_t i = 0; i < m; ++i) {
+    stride = std::max(stride, lens[i]);
+    ends[i] = std::max(lens[i], S);
+  }
+  const int64_t half = (stride + 1) / 2;
+  work.resize(R * stride + R * half + (R * D + 1) / 2);  // scores, bf16 probability pairs, bf16 queries
+  float* scores = work.data();
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(scores + R * stride);
+  void* q;
+  int64_t q_row_bytes;
+  if constexpr (BF16) {
+    uint16_t* qb = reinterpret_cast<uint16_t*>(pairs + R * half);
+    for (int64_t i = 0; i < R * D; ++i) qb[i] = float_to_bf16(qf[i]);  // exact: qf came from bf16
+    q = qb;
+    q_row_bytes = D * 2;
+  } else {
+    for (int64_t i = 0; i < R * D; ++i) qf[i] *= scale;
+    q = qf;
+    q_row_bytes = D * 4;
+  }
+  tile.scores(q, scale, k_cache, v_cache, tables[0], 0, S, stride, h, Hk, bs, scores);
+  for (int64_t i = 0; i < m; ++i)
+    if (lens[i] > S)
+      one.scores(static_cast<char*>(q) + i * G * q_row_bytes, scale, k_cache, v_cache, tables[i], S, lens[i], stride,
+                 h, Hk, bs, scores + i * G * stride);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = lens[r / G];
+    softmax_vec(scores + r * stride, n);
+    std::fill(scores + r * stride + n, scores + r * stride + ends[r / G], 0.f);
+  }
+  const void* probs = scores;
+  int64_t pstride = stride;
+  float* sums = out;
+#if defined(__AVX512BF16__)
+  if constexpr (BF16) {
+    bf16_pairs(scores, stride, R, G, ends, pairs);
+    probs = pairs;
+    pstride = half;
+    sums = acc;
+  }
 #endif
+  tile.acc(probs, pstride, v_cache, tables[0], 0, S, h, Hk, bs, sums, true);
+  for (int64_t i = 0; i < m; ++i)
+    if (lens[i] > S) {
+      const void* pi = BF16 ? static_cast<const void*>(static_cast<const uint32_t*>(probs) + i * G * pstride)
+                            : static_cast<const void*>(static_cast<const float*>(probs) + i * G * pstride);
+      one.acc(pi, pstride, v_cache, tables[i], S, lens[i], h, Hk, bs, sums + i * G * D, false);
+    }
+#if defined(__AVX512BF16__)
+  if constexpr (BF16) bf16_acc_to_rows(acc, R, D / 16, out);
+#endif
+}
+#endif
+
+// Decodes of different requests that share at least this many leading blocks are attended as one tile
+// over the shared blocks.
+static constexpr int64_t kMinSharedBlocks = 4;
 
 // QDT: queries and output; KDT: the cache (fp32 queries over a bf16 cache when activations are fp32, or an
 // E4M3 cache under any activations: it is read as 2^-8 x its values, so 2^8 x k_scale goes into the query
 // scale and 2^8 x v_scale into the output).
-// Consecutive queries over the same block table whose lengths grow by one (the tokens of a prompt
-// chunk) are attended together in tiles, so each K/V row read serves the whole tile (measured on a
-// 64-token chunk over 1,100 cached tokens: 1.6x with AVX-512 BF16, 1.2x with AVX2).
+// Queries are attended in tiles, so that each K/V row read serves the whole tile:
+// - consecutive queries over the same block table whose lengths grow by one (the tokens of a prompt
+//   chunk; measured on a 64-token chunk over 1,100 cached tokens: 1.6x with AVX-512 BF16, 1.2x with AVX2);
+// - other queries (decodes) whose tables share their first blocks (a common prompt prefix in the prefix
+//   cache), over the shared blocks (cascade attention), each continuing alone over its own blocks.
 template <int QDT, int KDT>
 static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                    const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
@@ -488,61 +601,104 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
   const int64_t G = Hq / Hk;
   const float out_scale = KDT == kFP8 ? 256.f * v_scale : 1.f;
   if (KDT == kFP8) scale *= 256.f * k_scale;
+  auto table_of = [&](int64_t b) { return block_tables + (table_index ? table_index[b] : b) * max_blocks; };
   int64_t QT = 1;
 #if defined(TIDAL_VEC)
-  const AttendFn vec = bs % W == 0 ? attend_for<KDT, QDT == KDT>(G, D) : nullptr;
-  AttendFn tiled = nullptr;
-  if (vec && table_index) {
+  const bool bf16 = bf16_path<KDT, 2, QDT == KDT>() && D % 32 == 0;  // as row_kernels_for picks
+  const RowKernels one = bs % W == 0 ? row_kernels_for<KDT, QDT == KDT>(G, D) : RowKernels{};
+  RowKernels tiled;
+  if (one && table_index) {
     QT = query_tile(G);
-    tiled = QT > 1 ? attend_for<KDT, QDT == KDT>(QT * G, D) : nullptr;
+    tiled = QT > 1 ? row_kernels_for<KDT, QDT == KDT>(QT * G, D) : RowKernels{};
     if (!tiled) QT = 1;
   }
 #endif
-  // tiles of queries: [start, start + count)
-  std::vector<int64_t> tile_start, tile_count;
+  // tiles: queries order[first, first + count) sharing their first `shared` tokens' blocks (0: one query)
+  struct Tile { int64_t first, count, shared; };
+  std::vector<Tile> tiles;
+  std::vector<int64_t> order, singles;
+  order.reserve(B);
   for (int64_t b = 0; b < B;) {
     int64_t n = 1;
     while (n < QT && b + n < B && table_index[b + n] == table_index[b] && seq_lens[b + n] == seq_lens[b + n - 1] + 1)
       ++n;
-    tile_start.push_back(b);
-    tile_count.push_back(n);
+    if (n > 1) {
+      tiles.push_back({static_cast<int64_t>(order.size()), n, seq_lens[b + n - 1]});
+      for (int64_t i = 0; i < n; ++i) order.push_back(b + i);
+    } else {
+      singles.push_back(b);
+    }
     b += n;
   }
-  const int64_t num_tiles = static_cast<int64_t>(tile_start.size());
+  // leading blocks two queries' tables have in common, among those both have complete
+  auto common_blocks = [&](int64_t a, int64_t b) {
+    const int64_t n = std::min(seq_lens[a], seq_lens[b]) / bs;
+    const int64_t *ta = table_of(a), *tb = table_of(b);
+    int64_t i = 0;
+    while (i < n && ta[i] == tb[i]) ++i;
+    return i;
+  };
+  if (QT > 1 && singles.size() > 1) {
+    std::sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
+      const int64_t i = common_blocks(a, b), na = seq_lens[a] / bs, nb = seq_lens[b] / bs;
+      if (i < na && i < nb) return table_of(a)[i] < table_of(b)[i];
+      return na != nb ? na < nb : a < b;
+    });
+  }
+  for (size_t s = 0; s < singles.size();) {
+    size_t n = 1;
+    int64_t shared = QT > 1 ? seq_lens[singles[s]] / bs : 0;
+    while (n < static_cast<size_t>(QT) && s + n < singles.size()) {
+      const int64_t c = std::min(shared, common_blocks(singles[s], singles[s + n]));
+      if (c < kMinSharedBlocks) break;
+      shared = c;
+      ++n;
+    }
+    const int64_t first = static_cast<int64_t>(order.size());
+    for (size_t i = 0; i < n; ++i) order.push_back(singles[s + i]);
+    tiles.push_back({first, static_cast<int64_t>(n), n > 1 ? shared * bs : 0});
+    s += n;
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> qf(QT * G * D), acc(QT * G * D), scores;
-    int64_t qlen[8];
+    std::vector<float> qf(QT * G * D), acc(QT * G * D), res(QT * G * D), work;
+    int64_t lens[8];
+    const int64_t* tabs[8];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_tiles * Hk; ++item) {
-      const int64_t tile = item / Hk, h = item % Hk;
-      const int64_t b0 = tile_start[tile], n = tile_count[tile];
-      const int64_t L = seq_lens[b0 + n - 1];
-      const int64_t* table = block_tables + (table_index ? table_index[b0] : b0) * max_blocks;
-      const int64_t rows = (n > 1 ? QT : 1) * G;  // a partial tile repeats its last query (results unused)
-      scores.resize(rows * L + rows * ((L + 1) / 2));  // scores, then room for bf16 probability pairs
-      for (int64_t i = 0; i < rows / G; ++i) {
-        const int64_t b = b0 + std::min(i, n - 1);
-        qlen[i] = seq_lens[b];
+      const Tile& tile = tiles[item / Hk];
+      const int64_t h = item % Hk, n = tile.count;
+      const int64_t m = n > 1 ? QT : 1;  // a partial tile repeats its last query (results unused)
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t b = order[tile.first + std::min(i, n - 1)];
+        lens[i] = i < n ? seq_lens[b] : std::min(seq_lens[b], std::max<int64_t>(tile.shared, 1));
+        tabs[i] = table_of(b);
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = load1<QDT>(q, (b * Hq + h * G + g) * D + d);
       }
 #if defined(TIDAL_VEC)
-      if (vec) {
-        (n > 1 ? tiled : vec)(qf.data(), scale, k_cache, v_cache, table, L, qlen, G, h, Hk, bs, scores.data(),
-                              acc.data());
+      if (one) {
+        const int64_t S = n > 1 ? tile.shared : lens[0];
+        (bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale, k_cache,
+                                                        v_cache, tabs, lens, S, h, Hk, bs, work, acc.data(),
+                                                        res.data());
       } else
 #endif
       {
+        const int64_t L = lens[0];
+        work.resize(G * L);
         for (int64_t i = 0; i < G * D; ++i) qf[i] *= scale;
-        scores_generic<KDT>(qf.data(), k_cache, table, L, h, G, Hk, D, bs, scores.data());
-        for (int64_t g = 0; g < G; ++g) softmax_generic(scores.data() + g * L, L);
-        accumulate_generic<KDT>(scores.data(), v_cache, table, L, h, G, Hk, D, bs, acc.data());
+        scores_generic<KDT>(qf.data(), k_cache, tabs[0], L, h, G, Hk, D, bs, work.data());
+        for (int64_t g = 0; g < G; ++g) softmax_generic(work.data() + g * L, L);
+        accumulate_generic<KDT>(work.data(), v_cache, tabs[0], L, h, G, Hk, D, bs, res.data());
       }
-      for (int64_t i = 0; i < n; ++i)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t b = order[tile.first + i];
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d)
-            store1<QDT>(out, ((b0 + i) * Hq + h * G + g) * D + d, acc[(i * G + g) * D + d] * out_scale);
+            store1<QDT>(out, (b * Hq + h * G + g) * D + d, res[(i * G + g) * D + d] * out_scale);
+      }
     }
   }
 }
