@@ -16,7 +16,8 @@
 - Batch-invariant mode's products (docs/batch_invariance.md): 1-4 bf16 rows through the skinny kernel in
   the blocked kernel's order against the skinny and blocked kernels (weights not in the caches, best of
   a few rounds); fp32 products through the native fp32 kernel against torch's, 1 to 256 rows.
-- Paged attention: 64 decodes over 1,100 cached tokens each, and one 64-token prompt chunk over
+- Paged attention: 64 decodes over 1,100 cached tokens each (own blocks; sharing their first 1,024
+  tokens' blocks, attended in tiles over those, and untiled), and one 64-token prompt chunk over
   1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16, fp32 and FP8 (E4M3)
   caches and bf16 over bf16 and FP8. GFLOP/s count 4 * heads * head_dim per query and cached token.
 Run with the machine otherwise idle; name the CPU (lscpu) beside the figures.
@@ -173,8 +174,12 @@ def attention(isa: str) -> None:
         decode_tables = torch.stack([torch.randperm(nb)[:70] for _ in range(n)])
         chunk_table = torch.randperm(nb)[:70].view(1, 70)
         chunk_lens = torch.arange(ctx - n + 1, ctx + 1)
+        # decodes of requests whose first 64 blocks (1,024 tokens) are one cached prompt prefix
+        shared_tables = torch.cat([decode_tables[:1, :64].expand(n, 64), decode_tables[:, 64:]], dim=1)
         cases = {
             "decodes": (decode_tables, torch.full((n,), ctx), None),
+            "shared prefix": (shared_tables, torch.full((n,), ctx), torch.arange(n)),
+            "same, untiled": (shared_tables, torch.full((n,), ctx), None),
             "chunk tiled": (chunk_table, chunk_lens, torch.zeros(n, dtype=torch.long)),
             "chunk per token": (chunk_table.expand(n, 70).contiguous(), chunk_lens, None),
         }
