@@ -94,11 +94,17 @@ def _env_isa(requested: str | None) -> str:
     return requested
 
 
+_process_isa: list[str] = []  # TIDAL_CPU_ISA's level, resolved once per process
+
+
 def cpu_isa() -> str:
-    """The ISA level the native kernels are built for: the CPU's, capped by TIDAL_CPU_ISA."""
+    """The ISA level the native kernels are built for: the CPU's, capped by TIDAL_CPU_ISA (read once per
+    process: every native call asks, so this stays a list lookup), or isa_override's."""
     if _forced:
         return _forced[-1]
-    return _env_isa(os.environ.get("TIDAL_CPU_ISA") or None)
+    if not _process_isa:
+        _process_isa.append(_env_isa(os.environ.get("TIDAL_CPU_ISA") or None))
+    return _process_isa[0]
 
 
 def has_native_bf16() -> bool:
