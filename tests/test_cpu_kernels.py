@@ -268,6 +268,18 @@ def test_fp32_queries_over_a_bf16_cache(isa):
     torch.testing.assert_close(native, reference, atol=1e-5, rtol=1e-5)
 
 
+def _attended_together_and_alone(q, k_cache, v_cache, tables, lens, index):
+    """The queries attended in one call, after checking that each one's output is bitwise what it is
+    when that query is attended alone."""
+    scale = q.shape[-1] ** -0.5
+    batched = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, index)
+    for i in range(len(index)):
+        alone = cpu_kernels.paged_attention_decode(q[i:i + 1], k_cache, v_cache, tables, lens[i:i + 1], scale,
+                                                   index[i:i + 1])
+        assert torch.equal(alone, batched[i:i + 1]), i
+    return batched
+
+
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.bfloat16)])
 def test_prompt_chunk_tokens_attended_in_tiles_equal_each_token_alone(dtype, cache_dtype):
@@ -282,11 +294,7 @@ def test_prompt_chunk_tokens_attended_in_tiles_equal_each_token_alone(dtype, cac
     index = torch.tensor([0] + [1] * 11 + [2] * 2 + [0])
     lens = torch.tensor([70] + list(range(90, 101)) + [16, 17] + [33])
     q = torch.randn(len(index), hq, d).to(dtype)
-    batched = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, index)
-    for i in range(len(index)):
-        alone = cpu_kernels.paged_attention_decode(q[i:i + 1], k_cache, v_cache, tables, lens[i:i + 1], d ** -0.5,
-                                                   index[i:i + 1])
-        assert torch.equal(alone, batched[i:i + 1]), i
+    batched = _attended_together_and_alone(q, k_cache, v_cache, tables, lens, index)
     reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables[index], lens, 100, d ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(batched.float(), reference, atol=tol, rtol=tol)
@@ -326,11 +334,7 @@ def test_decodes_sharing_prefix_blocks_equal_each_alone(dtype, cache_dtype, hq, 
     index = torch.tensor([0, 1, 2, 3, 0, 0, 0, 4, 5, 6, 7, 8])
     lens = torch.cat([lens[:4], torch.tensor([7 * bs + 2, 7 * bs + 3, 7 * bs + 4]), lens[4:]])
     q = torch.randn(len(index), hq, d).to(dtype)
-    batched = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, index)
-    for i in range(len(index)):
-        alone = cpu_kernels.paged_attention_decode(q[i:i + 1], k_cache, v_cache, tables, lens[i:i + 1], d ** -0.5,
-                                                   index[i:i + 1])
-        assert torch.equal(alone, batched[i:i + 1]), i
+    batched = _attended_together_and_alone(q, k_cache, v_cache, tables, lens, index)
     # and in another order (other groups form)
     flip = torch.arange(len(index) - 1, -1, -1)
     flipped = cpu_kernels.paged_attention_decode(q[flip], k_cache, v_cache, tables, lens[flip], d ** -0.5, index[flip])
