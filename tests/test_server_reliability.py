@@ -381,6 +381,39 @@ def test_signal_during_streaming_finishes_in_flight_aborts_the_late_and_exits_0(
         httpx.get(f"{base}/health", timeout=2)
 
 
+def test_a_signal_that_lands_while_the_engine_client_holds_its_send_lock_does_not_deadlock():
+    """The signal handler runs on the event loop's thread between two bytecodes of whatever it interrupted:
+    there, the engine-core client in the middle of sending a command under its (non-reentrant) lock. The
+    drain it starts must not take that lock from inside the handler (a server hung forever that way)."""
+    import uvicorn
+
+    from tidal.entrypoints.openai.cli import _server_class
+
+    send_lock = threading.Lock()  # as CoreProcessAsyncLLM._send_raw holds it
+
+    class Client:
+        num_open_requests = 1
+        drained: list = []
+
+        def drain(self, timeout_s: float) -> None:
+            assert send_lock.acquire(timeout=2), "drain ran inside the handler, under the interrupted send's lock"
+            self.drained.append(timeout_s)
+            send_lock.release()
+
+    client = Client()
+    server = _server_class()(uvicorn.Config(app=None), client, 7.0)
+
+    async def main():
+        with send_lock:  # the client is sending when the signal arrives
+            server.handle_exit(signal.SIGTERM, None)
+            assert server.should_exit and client.drained == []
+        await asyncio.sleep(0)  # the loop's next callbacks: the drain
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert client.drained == [7.0]
+
+
 # -- load (slow) -------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_200_streaming_clients_with_random_disconnects_on_a_small_kv_budget(tiny_model_dir):

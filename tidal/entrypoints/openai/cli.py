@@ -21,6 +21,7 @@ restart it.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -206,7 +207,13 @@ def _server_class():
                 return
             logger.info("Received signal %d: shutting down, in-flight requests have %g s to finish (%d open)",
                         sig, self.shutdown_timeout, self.async_llm.num_open_requests)
-            self.async_llm.drain(self.shutdown_timeout)
+            # The handler runs on the event loop's thread between two bytecodes of whatever it interrupted,
+            # which may be the engine client in the middle of sending a command under its lock: start the
+            # drain from the loop instead, as its next callback.
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(self.async_llm.drain, self.shutdown_timeout)
+            except RuntimeError:  # no loop running (not serving yet)
+                self.async_llm.drain(self.shutdown_timeout)
             self.should_exit = True
 
         def engine_died(self, error: BaseException) -> None:
