@@ -583,7 +583,7 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
 #endif
 
 // Decodes of different requests that share at least this many leading blocks are attended as one tile
-// over the shared blocks.
+// over the shared blocks (neighbours once sorted by their first block, in step order among equals).
 static constexpr int64_t kMinSharedBlocks = 4;
 
 // QDT: queries and output; KDT: the cache (fp32 queries over a bf16 cache when activations are fp32, or an
@@ -638,19 +638,18 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
     while (i < n && ta[i] == tb[i]) ++i;
     return i;
   };
-  if (QT > 1 && singles.size() > 1) {
-    std::sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
-      const int64_t i = common_blocks(a, b), na = seq_lens[a] / bs, nb = seq_lens[b] / bs;
-      if (i < na && i < nb) return table_of(a)[i] < table_of(b)[i];
-      return na != nb ? na < nb : a < b;
-    });
+  if (QT > 1 && singles.size() > 1) {  // queries whose first blocks are the same become neighbours
+    auto first_block = [&](int64_t b) { return seq_lens[b] >= bs ? table_of(b)[0] : -1; };
+    std::stable_sort(singles.begin(), singles.end(),
+                     [&](int64_t a, int64_t b) { return first_block(a) < first_block(b); });
   }
   for (size_t s = 0; s < singles.size();) {
     size_t n = 1;
     int64_t shared = QT > 1 ? seq_lens[singles[s]] / bs : 0;
     while (n < static_cast<size_t>(QT) && s + n < singles.size()) {
       const int64_t c = std::min(shared, common_blocks(singles[s], singles[s + n]));
-      if (c < kMinSharedBlocks) break;
+      // (a query sharing less than half of what the tile shares so far starts a tile of its own)
+      if (c < kMinSharedBlocks || (n > 1 && 2 * c < shared)) break;
       shared = c;
       ++n;
     }
