@@ -94,17 +94,16 @@ def _env_isa(requested: str | None) -> str:
     return requested
 
 
-_process_isa: list[str] = []  # TIDAL_CPU_ISA's level, resolved once per process
+@functools.cache
+def _process_isa() -> str:
+    """TIDAL_CPU_ISA's level, resolved once per process (every native call asks for it)."""
+    return _env_isa(os.environ.get("TIDAL_CPU_ISA") or None)
 
 
 def cpu_isa() -> str:
-    """The ISA level the native kernels are built for: the CPU's, capped by TIDAL_CPU_ISA (read once per
-    process: every native call asks, so this stays a list lookup), or isa_override's."""
-    if _forced:
-        return _forced[-1]
-    if not _process_isa:
-        _process_isa.append(_env_isa(os.environ.get("TIDAL_CPU_ISA") or None))
-    return _process_isa[0]
+    """The ISA level the native kernels are built for: the CPU's, capped by TIDAL_CPU_ISA, or
+    isa_override's."""
+    return _forced[-1] if _forced else _process_isa()
 
 
 def has_native_bf16() -> bool:

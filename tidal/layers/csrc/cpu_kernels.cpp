@@ -420,7 +420,8 @@ static void bf16_acc_to_rows(const float* acc, int64_t rows, int64_t C, float* o
 // The two halves of attention for R query rows on one path (the VDPBF16PS path for exact bf16 queries
 // over a bf16 cache with an even number of 16-dim chunks, the fp32-accumulating vector path otherwise):
 // scores over a range of tokens, and the weighted sum of V over a range, continuing earlier sums. The
-// queries are prepared by the caller (prepare_queries): bf16 values, or fp32 values scaled.
+// queries are prepared by the caller (attend_tile): bf16 values on the VDPBF16PS path (bf16), fp32 values
+// scaled on the other.
 using ScoresFn = void (*)(const void* q, float scale, const void* k_cache, const void* v_cache, const int64_t* table,
                           int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
                           float* scores);
@@ -429,6 +430,7 @@ using AccFn = void (*)(const void* probs, int64_t stride, const void* v_cache, c
 struct RowKernels {
   ScoresFn scores = nullptr;
   AccFn acc = nullptr;
+  bool bf16 = false;
   explicit operator bool() const { return scores != nullptr; }
 };
 
@@ -476,11 +478,11 @@ static void acc_rows(const void* probs, int64_t stride, const void* v_cache, con
 template <int DT, bool QEXACT, int R>
 static RowKernels row_kernels_for_chunks(int64_t C) {
   switch (C) {
-    case 1: return {scores_rows<DT, R, 1, QEXACT>, acc_rows<DT, R, 1, QEXACT>};
-    case 2: return {scores_rows<DT, R, 2, QEXACT>, acc_rows<DT, R, 2, QEXACT>};
-    case 4: return {scores_rows<DT, R, 4, QEXACT>, acc_rows<DT, R, 4, QEXACT>};
-    case 8: return {scores_rows<DT, R, 8, QEXACT>, acc_rows<DT, R, 8, QEXACT>};
-    case 16: return {scores_rows<DT, R, 16, QEXACT>, acc_rows<DT, R, 16, QEXACT>};
+    case 1: return {scores_rows<DT, R, 1, QEXACT>, acc_rows<DT, R, 1, QEXACT>, bf16_path<DT, 1, QEXACT>()};
+    case 2: return {scores_rows<DT, R, 2, QEXACT>, acc_rows<DT, R, 2, QEXACT>, bf16_path<DT, 2, QEXACT>()};
+    case 4: return {scores_rows<DT, R, 4, QEXACT>, acc_rows<DT, R, 4, QEXACT>, bf16_path<DT, 4, QEXACT>()};
+    case 8: return {scores_rows<DT, R, 8, QEXACT>, acc_rows<DT, R, 8, QEXACT>, bf16_path<DT, 8, QEXACT>()};
+    case 16: return {scores_rows<DT, R, 16, QEXACT>, acc_rows<DT, R, 16, QEXACT>, bf16_path<DT, 16, QEXACT>()};
     default: return {};
   }
 }
@@ -604,7 +606,6 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
   auto table_of = [&](int64_t b) { return block_tables + (table_index ? table_index[b] : b) * max_blocks; };
   int64_t QT = 1;
 #if defined(TIDAL_VEC)
-  const bool bf16 = bf16_path<KDT, 2, QDT == KDT>() && D % 32 == 0;  // as row_kernels_for picks
   const RowKernels one = bs % W == 0 ? row_kernels_for<KDT, QDT == KDT>(G, D) : RowKernels{};
   RowKernels tiled;
   if (one && table_index) {
@@ -679,7 +680,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
 #if defined(TIDAL_VEC)
       if (one) {
         const int64_t S = n > 1 ? tile.shared : lens[0];
-        (bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale, k_cache,
+        (one.bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale, k_cache,
                                                         v_cache, tabs, lens, S, h, Hk, bs, work, acc.data(),
                                                         res.data());
       } else
