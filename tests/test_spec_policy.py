@@ -81,6 +81,35 @@ def test_a_large_batch_runs_fewer_drafts_than_a_small_one():
     assert one == 4 and many < one
 
 
+def test_drafts_wait_for_a_measured_plain_step_and_a_draft_models_forwards_are_costed():
+    # a draft model at batch 8 whose drafts are nearly always accepted
+    policy = DraftPolicy(4)
+    policy.observe_step(240, 0.150)  # the prompts' step
+    reqs = _requests(8)
+    for r in reqs:
+        policy.observe_drafts(r, 4, 4)
+    proposals = [(r, [1, 2, 3, 4]) for r in reqs]
+    assert policy.choose(proposals, 8, 8) == [0] * 8, "no step of at most 8 tokens measured yet"
+    policy.observe_step(8, 0.012)   # the target: 12 ms for 8 tokens, 26 ms for 40
+    policy.observe_step(40, 0.026)
+    assert sum(policy.choose(proposals, 8, 8)) == 32, "no draft forward measured: drafts look cheap"
+    for _ in range(3):  # then the draft's forwards: 15 ms for 8 rows, 8 ms for one
+        policy.observe_draft_forward(8, 0.015)
+        policy.observe_draft_forward(1, 0.008)
+    assert policy.choose(proposals, 8, 8) == [0] * 8, "four 15 ms forwards cost more than they save"
+    # one request: the target's step costs 9 ms for 1 token and 12 ms for 5; a draft forward 8 ms does
+    # not pay for 3.7 expected tokens (4.7 in 44 ms against 1 in 9), one of 2 ms does
+    policy.observe_step(1, 0.009)
+    policy.observe_step(5, 0.012)
+    assert policy.choose(proposals[:1], 1, 1) == [0]
+    for _ in range(30):
+        policy.observe_draft_forward(1, 0.002)
+        policy.observe_draft_forward(40, 0.030)
+    assert policy.choose(proposals[:1], 1, 1) == [4]
+    # unless its first forward must first catch up on 40 tokens it has not seen (30 ms)
+    assert policy.choose(proposals[:1], 1, 1, catch_up=[40]) == [0]
+
+
 def test_disable_by_batch_size_and_non_adaptive():
     policy = _policy(lambda t: 2.0 * t, disable_by_batch_size=4, adaptive=False)
     assert policy.wants_drafts(3) and not policy.wants_drafts(4)

@@ -22,6 +22,7 @@ The draft runs in the engine's process, unsharded, whatever the target's paralle
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from tidal.core.kv_cache_manager import KVCacheManager
@@ -62,8 +63,19 @@ class DraftModelProposer:
         self._dropped: list[str] = []
         self.weight_bytes = loaded.weight_bytes
         self.model_time_s = 0.0  # seconds in the draft model's forwards and LM head, over its life
+        self.forwards: list[tuple[int, float]] = []  # (tokens, wall seconds) of each forward since last read
         logger.info("Draft model %s: %.1f MB of weights, its KV cache %.1f MiB = %d blocks", loaded.name,
                     loaded.weight_bytes / 1e6, plan.num_bytes / 2**20, plan.num_blocks)
+
+    def pending_tokens(self, request: Request) -> int:
+        """About how many tokens of request the draft's first forward would compute: those it has not
+        seen (a new request's whole prompt, then the target's tokens since its last drafts)."""
+        mirror = self.mirrors.get(request.request_id)
+        if mirror is None:
+            return request.num_tokens
+        m = mirror.request
+        done = m.num_computed_tokens + (len(mirror.drafted) if m.num_computed_tokens == m.num_tokens else 0)
+        return max(1, request.num_tokens - done)
 
     def propose(self, request: Request) -> list[int]:
         return self.propose_batch([(request, self.k)], None)[0]
@@ -91,8 +103,10 @@ class DraftModelProposer:
                 drafts[request.request_id] = []
         step = 0
         while scheduled:
-            out = self.runner.execute(SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled),
-                                                      finished_ids=self._dropped))
+            num_tokens = sum(s.num_tokens for s in scheduled)
+            t0 = time.perf_counter()
+            out = self.runner.execute(SchedulerOutput(scheduled, num_tokens, finished_ids=self._dropped))
+            self.forwards.append((num_tokens, time.perf_counter() - t0))
             self._dropped = []
             self.model_time_s += out.model_time_s
             nxt = []

@@ -76,11 +76,17 @@ def propose_drafts(engine) -> None:
         return
     counts = [len(d) for _, d in proposals]
     if policy is not None:
-        counts = policy.choose(proposals, scheduler.num_running, _tokens_without_drafts(engine))
+        catch_up = [proposer.pending_tokens(r) for r, _ in proposals] if batched else None
+        counts = policy.choose(proposals, scheduler.num_running, _tokens_without_drafts(engine), catch_up)
     if batched:
         wanted = [(r, n) for (r, _), n in zip(proposals, counts) if n]
         proposals = list(zip([r for r, _ in wanted], proposer.propose_batch(wanted, scheduler.requests)))
         counts = [len(d) for _, d in proposals]
+        forwards, proposer.forwards = proposer.forwards, []
+        if policy is not None:
+            for num_tokens, seconds in forwards:
+                policy.observe_draft_forward(num_tokens, seconds)
+        engine.draft_seconds = sum(seconds for _, seconds in forwards)
     for (request, drafts), n in zip(proposals, counts):
         request.spec_token_ids = drafts[:n]
 
@@ -106,5 +112,6 @@ def record_drafts(engine, batch, sampled: dict[str, list[int]], seconds: float) 
             if policy is not None:  # (a request that finished has no stats to keep)
                 policy.observe_drafts(engine.scheduler.requests.get(sr.request_id), *drafts[-1])
     engine.stats.record_drafts(drafts)
-    if policy is not None and batch.scheduled:
-        policy.observe_step(batch.num_batched_tokens, seconds)
+    if policy is not None and batch.scheduled:  # the target's share: a draft model's forwards are costed apart
+        policy.observe_step(batch.num_batched_tokens, seconds - getattr(engine, "draft_seconds", 0.0))
+    engine.draft_seconds = 0.0
