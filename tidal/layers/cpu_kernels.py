@@ -208,6 +208,10 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_skinny_gemm_bf16_ordered.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16_packed.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    for name in ("tidal_gemm_bf16_rows", "tidal_linear_f32_rows"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+                                       + [ctypes.c_int64] * 3 + [ctypes.c_int])
 
 
 _GEMM_LIB = NativeLibrary("gemm", os.path.join(os.path.dirname(__file__), "csrc", "gemm.cpp"),
@@ -321,6 +325,30 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
     bias = None if bias is None else bias.contiguous()
     if lib.tidal_gemm_bf16_packed(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                   out.data_ptr(), m, n, k, torch.get_num_threads()):
+        return None
+    return out.view(*shape[:-1], n)
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, rows_fn: int, fmt: int, n: int, k: int,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., k] @ W^T (+ bias) for a weight W [n, k] held in another format (`weight`'s storage), whose
+    rows the native function at address `rows_fn` makes in x's dtype as the kernel reaches them (e.g. GGUF
+    blocks: gguf_kernels). bf16 x (AVX-512 BF16 builds): any number of rows, each output what `bf16_linear`
+    gives on the plain bf16 W. fp32 x: more than 8 rows, through the blocked fp32 path (fewer rows are
+    the caller's streaming kernel's). None when it does not apply."""
+    lib = _GEMM_LIB.get()
+    kernel = {torch.bfloat16: "tidal_gemm_bf16_rows", torch.float32: "tidal_linear_f32_rows"}.get(x.dtype)
+    if lib is None or kernel is None or (bias is not None and bias.dtype != x.dtype):
+        return None
+    shape = x.shape
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    if m == 0:
+        return out.view(*shape[:-1], n)
+    bias = None if bias is None else bias.contiguous()
+    if getattr(lib, kernel)(x2.data_ptr(), weight.data_ptr(), rows_fn, fmt, None if bias is None else bias.data_ptr(),
+                            out.data_ptr(), m, n, k, torch.get_num_threads()):
         return None
     return out.view(*shape[:-1], n)
 

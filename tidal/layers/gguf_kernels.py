@@ -1,7 +1,9 @@
-"""Products and lookups on weights kept in GGUF blocks (llama.cpp's Q4_0, Q4_1, Q8_0).
+"""Products and lookups on weights kept in GGUF blocks (llama.cpp's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the
+K-quants Q4_K, Q5_K, Q6_K).
 
-A packed weight is a uint8 tensor [rows, K / 32, block_bytes]: each row's blocks as the file stores
-them. The block size names the format (18 bytes: Q4_0, 20: Q4_1, 34: Q8_0), so a packed tensor needs no
+A packed weight is a uint8 tensor [rows, K / QK, block_bytes]: each row's blocks as the file stores
+them, QK = 32 values per block (256 for the K-quants). The block size names the format (18 bytes: Q4_0,
+20: Q4_1, 22: Q5_0, 24: Q5_1, 34: Q8_0, 144: Q4_K, 176: Q5_K, 210: Q6_K), so a packed tensor needs no
 side record of its type, and row slices (tensor-parallel shards, fused QKV parts, the Q/K un-permutation)
 and block-aligned column slices are plain tensor slices.
 
@@ -19,12 +21,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from tidal.forward_context import skinny_gemm_allowed
+from tidal.forward_context import batch_invariant, skinny_gemm_allowed
 from tidal.native import NativeLibrary
 
-QK = 32  # values per block
+QK = 32  # values per block of the 32-value formats (a K-quant block holds 256: BLOCK_VALUES)
 # format name -> (type code of gguf_gemm.cpp, bytes per block)
-BLOCK_FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
+BLOCK_FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34), "Q5_0": (3, 22), "Q5_1": (4, 24),
+                 "Q4_K": (5, 144), "Q5_K": (6, 176), "Q6_K": (7, 210)}
+BLOCK_VALUES = {name: 256 if name.endswith("_K") else QK for name in BLOCK_FORMATS}  # values per block
 _BY_BYTES = {nbytes: (name, code) for name, (code, nbytes) in BLOCK_FORMATS.items()}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Decode steps of up to this many rows take the packed kernel (gguf_gemm.cpp's kMaxRows); beyond, the
@@ -39,21 +43,67 @@ def block_format(packed: torch.Tensor) -> str:
     return _BY_BYTES[packed.shape[-1]][0]
 
 
+def block_values(block_bytes: int) -> int:
+    """Values per block of the format whose blocks are block_bytes long (32, or 256 for a K-quant)."""
+    if block_bytes not in _BY_BYTES:
+        raise ValueError(f"no GGUF block format of {block_bytes} bytes")
+    return BLOCK_VALUES[_BY_BYTES[block_bytes][0]]
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> [..., 1] fp32 (the fp16 they hold)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _shifts(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=device)
+
+
 def dequantize_reference(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Torch dequantization of packed blocks [..., blocks, block_bytes] to [..., blocks * 32] (any device):
-    w = d * q + m per block, d and m fp16 (Q4_0: m = -8d; Q8_0: m = 0)."""
+    """Torch dequantization of packed blocks [..., blocks, block_bytes] to [..., blocks * QK] (any device),
+    equal to gguf-py's `gguf.quants.dequantize`: w = d * q + m per block of 32, d and m fp16 (Q4_0:
+    m = -8d, Q5_0: m = -16d, Q8_0: m = 0); the K-quants as ggml-quants.c (Q4_K / Q5_K: w = d * sc * q -
+    dmin * mn over 8 sub-blocks of 32 with 6-bit scales and mins; Q6_K: w = d * sc * (q - 32) over 16
+    sub-blocks of 16 with int8 scales)."""
     fmt = block_format(packed.reshape(-1, *packed.shape[-2:]))
-    d = packed[..., 0:2].contiguous().view(torch.float16).float()  # [..., blocks, 1]
-    if fmt == "Q8_0":
-        q = packed[..., 2:].contiguous().view(torch.int8).float()
-        w = d * q
+    p, dev = packed, packed.device
+    lead = packed.shape[:-1]  # [..., blocks]
+    if fmt in ("Q4_K", "Q5_K"):
+        d, dmin, s = _f16(p[..., 0:2]), _f16(p[..., 2:4]), p[..., 4:16]
+        # 6-bit scales and mins of the 8 sub-blocks (ggml-quants.c's get_scale_min_k4)
+        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()
+        mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1).float()
+        # sub-block 2i + h: nibble h of bytes 32i .. 32i + 31
+        qs = p[..., 16:144] if fmt == "Q4_K" else p[..., 48:176]
+        q = (qs.reshape(*lead, 4, 1, 32) >> _shifts([0, 4], dev).view(2, 1)) & 0x0F
+        q = q.reshape(*lead, 8, 32)
+        if fmt == "Q5_K":  # bit j of byte i of qh: the fifth bit of value i of sub-block j
+            qh = (p[..., 16:48].unsqueeze(-2) >> _shifts(range(8), dev).view(8, 1)) & 1
+            q = q | (qh << 4)
+        w = (d * sc).unsqueeze(-1) * q.float() - (dmin * mn).unsqueeze(-1)
+    elif fmt == "Q6_K":
+        # values 128h + 32k + i: nibble k // 2 of ql[64h + 32 (k % 2) + i], bits 2k of qh[32h + i] above
+        ql = (p[..., 0:128].reshape(*lead, 2, 1, 64) >> _shifts([0, 4], dev).view(2, 1)) & 0x0F
+        qh = (p[..., 128:192].reshape(*lead, 2, 1, 32) >> _shifts([0, 2, 4, 6], dev).view(4, 1)) & 3
+        q = (ql.reshape(*lead, 8, 32) | (qh.reshape(*lead, 8, 32) << 4)).float() - 32
+        scales = p[..., 192:208].contiguous().view(torch.int8).float()  # one per 16 values
+        w = (_f16(p[..., 208:210]) * scales).unsqueeze(-1) * q.reshape(*lead, 16, 16)
+    elif fmt == "Q8_0":
+        w = _f16(p[..., 0:2]) * p[..., 2:].contiguous().view(torch.int8).float()
     else:
-        qs = packed[..., 4:] if fmt == "Q4_1" else packed[..., 2:]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # values j and j + 16 of each block
-        if fmt == "Q4_1":
-            w = d * q + packed[..., 2:4].contiguous().view(torch.float16).float()
+        d = _f16(p[..., 0:2])  # [..., blocks, 1]
+        qs = p[..., -16:]
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # values j and j + 16 of each block
+        if fmt in ("Q5_0", "Q5_1"):  # bit j of the little-endian uint32 qh: the fifth bit of value j
+            j = torch.arange(32, device=dev)
+            qh = p[..., -20:-16]
+            q = q | (((qh[..., j // 8] >> (j % 8).to(torch.uint8)) & 1) << 4)
+        q = q.float()
+        if fmt in ("Q4_1", "Q5_1"):
+            w = d * q + _f16(p[..., 2:4])
         else:
-            w = d * (q - 8)
+            w = d * (q - (8 if fmt == "Q4_0" else 16))
     return w.reshape(*packed.shape[:-2], -1).to(dtype)
 
 
@@ -75,14 +125,14 @@ def gguf_lib() -> ctypes.CDLL | None:
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed blocks [rows, blocks, block_bytes] -> [rows, blocks * 32] in dtype: the native kernel on the
+    """Packed blocks [rows, blocks, block_bytes] -> [rows, blocks * QK] in dtype: the native kernel on the
     CPU for fp32 / bf16, the torch reference elsewhere."""
     lib = gguf_lib() if packed.device.type == "cpu" and dtype in _DTYPES else None
     if lib is None:
         return dequantize_reference(packed, dtype)
     code = BLOCK_FORMATS[block_format(packed)][0]
     packed = packed.contiguous()
-    rows, K = packed.shape[0], packed.shape[1] * QK
+    rows, K = packed.shape[0], packed.shape[1] * block_values(packed.shape[-1])
     out = torch.empty(rows, K, dtype=dtype)
     if rows and lib.tidal_gguf_dequantize(packed.data_ptr(), code, out.data_ptr(), rows, K, _DTYPES[dtype],
                                           torch.get_num_threads()):
@@ -91,13 +141,14 @@ def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 
 def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ dequant(packed)^T (+ bias) in x's dtype, for a packed weight [N, K / 32, block_bytes]."""
+    """x [..., K] @ dequant(packed)^T (+ bias) in x's dtype, for a packed weight [N, K / QK, block_bytes]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     M, N = x2.shape[0], packed.shape[0]
     # prompt rows never take the decode kernel (as cpu_linear's skinny GEMM): a prompt's last few tokens
     # computed after a prefix-cache hit round exactly as when the whole prompt runs
-    if x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= DECODE_MAX_ROWS and skinny_gemm_allowed():
+    if (x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= DECODE_MAX_ROWS and skinny_gemm_allowed()
+            and not (batch_invariant() and x.dtype == torch.bfloat16)):
         lib = gguf_lib()
         if lib is not None and (bias is None or bias.dtype == x.dtype):
             x2 = x2.contiguous()
@@ -109,7 +160,31 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
                                          M, N, x2.shape[1], _DTYPES[x.dtype], torch.get_num_threads()):
                 return out.view(*shape[:-1], N)
     if x.device.type == "cpu":
+        if (out := _rows_linear(x, packed, bias)) is not None:
+            return out
         from tidal.layers.linear import cpu_linear
         # the dequantized scratch weight in x's dtype: the dense kernels of the model dtype run on it
         return cpu_linear(x, dequantize(packed, x.dtype), bias)
     return F.linear(x, dequantize_reference(packed, x.dtype), bias)
+
+
+def _rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ dequant(packed)^T through gemm.cpp's blocked kernels, each tile of weight rows dequantized as
+    the kernel reaches it (tidal_gguf_rows_bf16 / _f32), so the blocks are read once per panel of x and
+    no copy of the layer is written and reread. bf16 x (AVX-512 BF16): the product of the bf16-rounded
+    weights in bf16_linear's order for any number of rows (batch-invariant); fp32 x: more than 8 rows.
+    None where it does not run."""
+    lib = gguf_lib()
+    fn = {torch.bfloat16: "tidal_gguf_rows_bf16", torch.float32: "tidal_gguf_rows_f32"}.get(x.dtype)
+    if lib is None or fn is None:
+        return None
+    from tidal.layers.cpu_kernels import rows_linear
+    return rows_linear(x, packed, ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value,
+                       BLOCK_FORMATS[block_format(packed)][0], packed.shape[0], x.shape[-1], bias)
+
+
+def invariant_supported(act_dtype: torch.dtype) -> bool:
+    """Whether products on packed blocks are batch-invariant here: bf16 activations on a CPU whose build
+    runs the bf16 tile kernel (AVX-512 BF16), which every number of rows takes in that mode."""
+    from tidal.layers.cpu_kernels import packed_gemm_available
+    return act_dtype == torch.bfloat16 and gguf_lib() is not None and packed_gemm_available()

@@ -317,11 +317,13 @@ class RowParallelLinear(LinearBase):
         """This rank's input columns (the bias and per-row scales are whole on every rank; the bias is
         added once, after the reduction)."""
         start = sum(self.rank_sizes[:self.tp_rank])
-        if loaded.dtype == torch.uint8 and loaded.dim() == 3:  # packed GGUF blocks of 32 columns each
-            if start % 32 or self.in_features % 32:
+        if loaded.dtype == torch.uint8 and loaded.dim() == 3:  # packed GGUF blocks of 32 (K-quants: 256) columns
+            from tidal.layers.gguf_kernels import block_values
+            qk = block_values(loaded.shape[-1])
+            if start % qk or self.in_features % qk:
                 raise ValueError(f"GGUF weight: this rank's input columns [{start}, {start + self.in_features}) "
-                                 "are not whole blocks of 32; use a tensor_parallel_size that splits on blocks")
-            return loaded.narrow(1, start // 32, self.in_features // 32)
+                                 f"are not whole blocks of {qk}; use a tensor_parallel_size that splits on blocks")
+            return loaded.narrow(1, start // qk, self.in_features // qk)
         return loaded.narrow(1, start, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

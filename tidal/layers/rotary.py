@@ -1,5 +1,5 @@
 """Rotary position embedding (GPT-NeoX / HF Llama layout: rotate the two halves of each head),
-with Llama-3 and linear frequency scaling."""
+with Llama-3 and linear frequency scaling, and per-frequency divisors (llama.cpp's `rope_freqs` tensor)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,18 @@ from torch import nn
 from tidal.layers import cpu_kernels
 
 
-def _inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+def _inv_freq(rot_dim: int, base: float, scaling: dict | None,
+              freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
+    inv_freq = _scaled_inv_freq(rot_dim, base, scaling)
+    if freq_factors is not None:  # llama.cpp's rope_freqs: each frequency divided by its factor
+        if len(freq_factors) != rot_dim // 2:
+            raise ValueError(f"{len(freq_factors)} RoPE frequency factors for a rotary dimension of {rot_dim} "
+                             f"(want {rot_dim // 2})")
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled_inv_freq(rot_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     if not scaling:
         return inv_freq
@@ -39,12 +50,13 @@ class RotaryEmbedding(nn.Module):
     through `get_rope`) index the tables once."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None,
-                 dtype=torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype=torch.float32, device: torch.device | str = "cpu",
+                 freq_factors: tuple[float, ...] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         # computed on the host whatever the device, so that every device rotates by the same angles
         with torch.device("cpu"):
-            inv_freq = _inv_freq(head_dim, base, scaling)
+            inv_freq = _inv_freq(head_dim, base, scaling, freq_factors)
             t = torch.arange(max_position, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)  # [max_position, head_dim / 2]
             cos, sin = freqs.cos(), freqs.sin()
@@ -80,12 +92,16 @@ class RotaryEmbedding(nn.Module):
 _ROPE_CACHE: dict = {}
 
 
-def get_rope(head_dim: int, max_position: int, base: float, scaling: dict | None = None) -> RotaryEmbedding:
+def get_rope(head_dim: int, max_position: int, base: float, scaling: dict | None = None,
+             freq_factors=None) -> RotaryEmbedding:
     """One RotaryEmbedding per distinct configuration and device, shared by all layers that use it.
-    Its tables live on the default device (the loader builds models under `with torch.device(...)`)."""
+    Its tables live on the default device (the loader builds models under `with torch.device(...)`).
+    freq_factors: head_dim / 2 divisors of the frequencies (a GGUF file's `rope_freqs`), or None."""
     device = torch.get_default_device()
-    key = (head_dim, max_position, float(base), repr(sorted((scaling or {}).items())), str(device))
+    factors = tuple(float(f) for f in freq_factors) if freq_factors is not None else None
+    key = (head_dim, max_position, float(base), repr(sorted((scaling or {}).items())), factors, str(device))
     rope = _ROPE_CACHE.get(key)
     if rope is None:
-        rope = _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, base, scaling, device=device)
+        rope = _ROPE_CACHE[key] = RotaryEmbedding(head_dim, max_position, base, scaling, device=device,
+                                                  freq_factors=factors)
     return rope

@@ -39,8 +39,10 @@ class LlamaAttention(nn.Module):
         base = getattr(config, "rope_theta", None) or rope_params.get("rope_theta", 10000.0)
         scaling = getattr(config, "rope_scaling", None) or (rope_params if rope_params.get("rope_type", "default")
                                                             != "default" else None)
-        # shared by all layers (not a submodule: it holds no weights)
-        self._rotary = [get_rope(head_dim, config.max_position_embeddings, base, scaling)]
+        # shared by all layers (not a submodule: it holds no weights); rope_freq_factors: a GGUF file's
+        # rope_freqs (llama.cpp's form of Llama-3 scaling), which divide the frequencies
+        self._rotary = [get_rope(head_dim, config.max_position_embeddings, base, scaling,
+                                 getattr(config, "rope_freq_factors", None))]
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

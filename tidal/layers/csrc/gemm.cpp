@@ -30,6 +30,15 @@
 using simd::bf16_to_float;
 using simd::float_to_bf16;
 
+// A weight held in another format (GGUF blocks), whose rows a function of a sibling library makes into
+// plain rows as the kernels reach them: rows [n0, n0 + rows) as [rows, K] at out, fp32 for the fp32
+// path (gguf_gemm.cpp's tidal_gguf_rows_f32), bf16 for the bf16 one (tidal_gguf_rows_bf16).
+typedef void (*rows_fn)(const void* w, int format, int64_t n0, int64_t rows, int64_t K, void* out);
+struct RowSource {
+  rows_fn fn;
+  int format;
+};
+
 // weight elements: bf16 (widened in registers) when WIDEN, else fp32
 template <bool WIDEN> using weight_t = std::conditional_t<WIDEN, uint16_t, float>;
 
@@ -116,21 +125,25 @@ static void rows_tile(const float* x, int64_t M, const float* wf, int64_t K, con
   }
 }
 
+// With a RowSource (src.fn), w is a weight in another format whose blocks of rows src.fn makes in fp32.
 template <bool WIDEN>
 static void blocked_f32(const float* x, const weight_t<WIDEN>* w, const float* bias, float* out, int64_t M,
-                        int64_t N, int64_t K, int num_threads) {
+                        int64_t N, int64_t K, int num_threads, RowSource src = {nullptr, 0}) {
   constexpr int NR = kBlockNR;
   // weight rows per block: about 96 KiB of widened weights (L2), a multiple of NR
   const int64_t NB = std::max<int64_t>(NR, std::min<int64_t>(64, (96 * 1024 / (4 * K)) / NR * NR));
   const int64_t blocks = (N + NB - 1) / NB;
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> wf(WIDEN ? NB * K : 0);
+    std::vector<float> wf(WIDEN || src.fn ? NB * K : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * NB, nb = std::min(NB, N - n0);
       const float* block;
-      if constexpr (WIDEN) {
+      if (src.fn) {
+        src.fn(w, src.format, n0, nb, K, wf.data());
+        block = wf.data();
+      } else if constexpr (WIDEN) {
         const uint16_t* src = w + n0 * K;
         int64_t i = 0;
         for (; i + W <= nb * K; i += W) simd::store(wf.data() + i, simd::load_bf16(src + i));
@@ -357,13 +370,21 @@ static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const void* wv
   }
 }
 
-template <bool PK>
+// Where gemm_bf16's weight tiles (16 rows each) come from: the plain [N, K] rows (PLAIN), the packed
+// layout (PACKED: lanes of 16 rows per pair, tidal.loader.pack_bf16_weights), or rows of another format
+// turned into plain bf16 rows by a function of a sibling library, one tile at a time into a per-thread
+// buffer (ROWS: GGUF blocks, gguf_gemm.cpp's tidal_gguf_rows_bf16), so a quantized weight is read once
+// per panel of x and never held whole in bf16.
+enum class Tiles { PLAIN, PACKED, ROWS };
+
+template <Tiles T>
 static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, uint16_t* out, int64_t M,
-                      int64_t N, int64_t K, int num_threads) {
+                      int64_t N, int64_t K, int num_threads, RowSource src = {nullptr, 0}) {
   // Tiles of 16 weight rows, whose K pairs stay in L1/L2 while the panel of x passes: two groups of 16
   // rows of x at a time against each half (16 accumulators); a last single group against all 16
   // (again 16 accumulators, enough to hide VDPBF16PS's latency).
   constexpr int NT = 16;
+  constexpr bool PK = T == Tiles::PACKED;
   const int64_t K2p = ((K + 1) / 2 + 15) / 16 * 16;
   const int64_t gstride = K2p * 16;
   const int64_t K2p16 = (K + 1) / 2 * 16;  // a packed weight tile: 16 lanes of every pair
@@ -376,7 +397,8 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
   uint32_t* xp = packed.data();
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<uint16_t> tail_rows;  // the last tile's weight rows, padded with zero rows to NT
+    std::vector<uint16_t> tile_rows;  // the last plain tile padded with zero rows to NT; a ROWS tile
+    if (T == Tiles::ROWS) tile_rows.assign(NT * K, 0);
     for (int64_t g0 = 0; g0 < groups; g0 += panel) {
       const int64_t ng = std::min(panel, groups - g0);
 #pragma omp for schedule(static)
@@ -385,19 +407,23 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n0 = t * NT;
         const int nn = (int)std::min<int64_t>(NT, N - n0);
-        // this tile's weights: the plain rows (the last tile's padded with zero rows to NT), or the packed
-        // tile (already padded), whose 8-row halves are lanes 0-7 and 8-15
+        // this tile's weights: the plain rows (the last tile's padded with zero rows to NT), the packed
+        // tile (already padded), whose 8-row halves are lanes 0-7 and 8-15, or the rows made here
         const uint16_t* wt = static_cast<const uint16_t*>(w) + n0 * K;
         const uint32_t* wtp = static_cast<const uint32_t*>(w) + t * K2p16;
-        if (!PK && nn < NT) {
-          tail_rows.assign(NT * K, 0);
-          std::memcpy(tail_rows.data(), wt, nn * K * 2);
-          wt = tail_rows.data();
+        if (T == Tiles::ROWS) {
+          if (nn < NT) std::fill(tile_rows.begin() + nn * K, tile_rows.end(), 0);
+          src.fn(w, src.format, n0, nn, K, tile_rows.data());
+          wt = tile_rows.data();
+        } else if (!PK && nn < NT) {
+          tile_rows.assign(NT * K, 0);
+          std::memcpy(tile_rows.data(), wt, nn * K * 2);
+          wt = tile_rows.data();
         }
         auto half_rows = [&](int h) -> const void* { return PK ? (const void*)(wtp + 8 * h) : (const void*)(wt + 8 * h * K); };
         // the next tile's weights (16 * K bf16: K / 2 lines) come from memory while this one computes:
         // what keeps a weight too large for the caches (an LM head) streaming at small M
-        const char* next = n0 + 2 * NT > N ? nullptr
+        const char* next = T == Tiles::ROWS || n0 + 2 * NT > N ? nullptr
                            : PK ? reinterpret_cast<const char*>(wtp + K2p16)
                                 : reinterpret_cast<const char*>(static_cast<const uint16_t*>(w) + (n0 + NT) * K);
         const int64_t pairs_end = ng / 2 * 2;
@@ -422,9 +448,12 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
 // pairs of each row of x broadcast, one VDPBF16PS per pair in k order from zero, the same odd-K pair
 // (x_last, 0) x (w_last, 0), bias in fp32 and rounding. So a row of 1 to 4 gives the bits it gets among
 // 512, while the weights still stream once.
+// With a RowSource (src.fn), w is a weight in another format and each tile's 16 rows are made into a
+// per-thread bf16 buffer first (tidal_gemm_bf16_rows' rows for 1-4 rows of x).
 template <int M>
-static void skinny_bf16_ordered(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out,
-                                int64_t N, int64_t K, int num_threads) {
+static void skinny_bf16_ordered(const uint16_t* x, const void* wv, const uint16_t* bias, uint16_t* out,
+                                int64_t N, int64_t K, int num_threads, RowSource src = {nullptr, 0}) {
+  const uint16_t* w = static_cast<const uint16_t*>(wv);
   const int64_t pairs = (K + 1) / 2;  // the last one (x_last, 0) when K is odd
   std::vector<uint32_t> xpairs(M * pairs, 0);
   for (int m = 0; m < M; ++m) std::memcpy(xpairs.data() + m * pairs, x + m * K, K * 2);
@@ -433,7 +462,13 @@ static void skinny_bf16_ordered(const uint16_t* x, const uint16_t* w, const uint
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t n0 = t * 16;
     const int nn = (int)std::min<int64_t>(16, N - n0);
-    if (n0 + 64 < N) {  // each weight row is read once, straight from memory: the rows four tiles ahead
+    const uint16_t* wt = w + n0 * K;  // this tile's rows
+    if (src.fn) {
+      static thread_local std::vector<uint16_t> rows;
+      rows.resize(16 * K);
+      src.fn(wv, src.format, n0, nn, K, rows.data());
+      wt = rows.data();
+    } else if (n0 + 64 < N) {  // each weight row is read once, straight from memory: the rows four tiles ahead
       const char* ahead = reinterpret_cast<const char*>(w + (n0 + 64) * K);
       for (int64_t b = 0; b < 16 * K * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     }
@@ -444,7 +479,7 @@ static void skinny_bf16_ordered(const uint16_t* x, const uint16_t* w, const uint
       const __mmask32 mask = K - k0 >= 32 ? ~__mmask32(0) : (__mmask32)((1u << (K - k0)) - 1);
       __m512i r[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = i < nn ? _mm512_maskz_loadu_epi16(mask, w + (n0 + i) * K + k0) : _mm512_setzero_si512();
+        r[i] = i < nn ? _mm512_maskz_loadu_epi16(mask, wt + i * K + k0) : _mm512_setzero_si512();
       simd::transpose16x16(r);  // r[q] lane i: pair p0 + q of weight row n0 + i
       const int np = (int)std::min<int64_t>(16, pairs - p0);
       for (int q = 0; q < np; ++q)
@@ -601,7 +636,7 @@ int tidal_gemm_bf16(const void* x, const void* w, const void* bias, void* out, i
                     int num_threads) {
 #if defined(__AVX512BF16__)
   if (M < 1) return -1;
-  gemm_bf16<false>(static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(bias),
+  gemm_bf16<Tiles::PLAIN>(static_cast<const uint16_t*>(x), w, static_cast<const uint16_t*>(bias),
             static_cast<uint16_t*>(out), M, N, K, num_threads);
   return 0;
 #else
@@ -627,11 +662,56 @@ int tidal_gemm_bf16_packed(const void* x, const void* wpk, const void* bias, voi
     case 4: skinny_bf16_packed<4>(xs, ws, bs, os, N, K, num_threads); return 0;
     default:
       if (M < 1) return -1;
-      gemm_bf16<true>(xs, wpk, bs, os, M, N, K, num_threads);
+      gemm_bf16<Tiles::PACKED>(xs, wpk, bs, os, M, N, K, num_threads);
       return 0;
   }
 #else
   (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+// x [M, K] bf16, bias [N] bf16 or null, out [M, N] bf16, any M >= 1; the weight w [N, K] in another
+// format, whose rows fn (a function of a sibling library, e.g. gguf_gemm.cpp's tidal_gguf_rows_bf16)
+// turns into plain bf16 rows 16 at a time. Each output is tidal_gemm_bf16's on the plain bf16 weight of
+// those rows, for any M (1-4 rows through skinny_bf16_ordered), so a row's bits never depend on the batch. Returns 0 when it ran, -1 when this build has no AVX-512 BF16.
+int tidal_gemm_bf16_rows(const void* x, const void* w, void* fn, int format, const void* bias, void* out, int64_t M,
+                         int64_t N, int64_t K, int num_threads) {
+#if defined(__AVX512BF16__)
+  if (M < 1 || fn == nullptr) return -1;
+  const RowSource src{reinterpret_cast<rows_fn>(fn), format};
+  auto xs = static_cast<const uint16_t*>(x);
+  auto bs = static_cast<const uint16_t*>(bias);
+  auto os = static_cast<uint16_t*>(out);
+  switch (M) {  // 1-4 rows: the lanes over the tile's weight rows (skinny_bf16_ordered), the same order
+    case 1: skinny_bf16_ordered<1>(xs, w, bs, os, N, K, num_threads, src); return 0;
+    case 2: skinny_bf16_ordered<2>(xs, w, bs, os, N, K, num_threads, src); return 0;
+    case 3: skinny_bf16_ordered<3>(xs, w, bs, os, N, K, num_threads, src); return 0;
+    case 4: skinny_bf16_ordered<4>(xs, w, bs, os, N, K, num_threads, src); return 0;
+    default: gemm_bf16<Tiles::ROWS>(xs, w, bs, os, M, N, K, num_threads, src); return 0;
+  }
+#else
+  (void)x; (void)w; (void)fn; (void)format; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+// x [M, K] fp32, bias [N] fp32 or null, out [M, N] fp32, M > 8 (batches and prompt chunks; fewer rows are
+// the caller's streaming kernel's); the weight w [N, K] in another format, whose blocks of rows fn (e.g.
+// gguf_gemm.cpp's tidal_gguf_rows_f32) makes in fp32 into the blocked path's L2 buffer, where the bf16
+// path widens its rows. Returns 0 when it ran, -1 otherwise (M <= 8, a build without vectors).
+int tidal_linear_f32_rows(const void* x, const void* w, void* fn, int format, const void* bias, void* out, int64_t M,
+                          int64_t N, int64_t K, int num_threads) {
+#if defined(TIDAL_VEC)
+  if (M <= kSkinnyMaxRows || fn == nullptr) return -1;
+  const RowSource src{reinterpret_cast<rows_fn>(fn), format};
+  const float* xs = static_cast<const float*>(x);
+  float* os = static_cast<float*>(out);
+  const int64_t chunk = std::max<int64_t>(kSkinnyMaxRows + 1, (256 * 1024) / (4 * K));  // as linear_f32
+  for (int64_t m0 = 0; m0 < M; m0 += chunk)
+    blocked_f32<false>(xs + m0 * K, static_cast<const float*>(w), static_cast<const float*>(bias), os + m0 * N,
+                       std::min(chunk, M - m0), N, K, num_threads, src);
+  return 0;
+#else
+  (void)x; (void)w; (void)fn; (void)format; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
   return -1;
 #endif
 }

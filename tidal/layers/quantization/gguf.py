@@ -1,10 +1,11 @@
 """The `gguf` scheme: a GGUF file's linear weights and embedding table kept in the file's blocks.
 
 The GGUF loader (tidal.loader.gguf_loader, keep_quantized) yields each quantized tensor as a packed uint8
-tensor [rows, K / 32, block_bytes] (tidal.layers.gguf_kernels) and each BF16/F16/F32 tensor as a plain
-tensor. A linear layer stores the rows it is given as they come: a fused QKV or gate/up layer whose parts
-the file stores in different formats keeps one part per run of rows of the same format, and multiplies
-part by part. Plain parts are stored in the model's weight dtype and take the dense kernels.
+tensor [rows, K / QK, block_bytes] (tidal.layers.gguf_kernels; QK = 32 values per block, 256 for the
+K-quants) and each BF16/F16/F32 tensor as a plain tensor. A linear layer stores the rows it is given as
+they come: a fused QKV or gate/up layer whose parts the file stores in different formats keeps one part
+per run of rows of the same format, and multiplies part by part. Plain parts are stored in the model's
+weight dtype and take the dense kernels.
 
 The embedding table (and an untied LM head) stays packed when the file quantizes it: a lookup
 dequantizes only the looked-up rows, and the logits are a packed product like any linear layer's.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.layers.gguf_kernels import QK, dequantize, gguf_linear
+from tidal.layers.gguf_kernels import block_format, block_values, dequantize, gguf_linear
 from tidal.layers.linear import UnquantizedLinearMethod, cpu_linear
 
 
@@ -40,8 +41,9 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def load_weight(self, layer: nn.Module, row_offset: int, loaded: torch.Tensor) -> None:
         K = layer.in_features
         if loaded.dtype == torch.uint8:
-            if loaded.dim() != 3 or loaded.shape[1] * QK != K:
-                raise ValueError(f"packed GGUF weight {tuple(loaded.shape)} does not match {K} input features")
+            if loaded.dim() != 3 or loaded.shape[1] * block_values(loaded.shape[-1]) != K:
+                fmt = block_format(loaded) if loaded.dim() == 3 else "?"
+                raise ValueError(f"packed GGUF weight {tuple(loaded.shape)} ({fmt}) does not match {K} input features")
             rows = loaded.contiguous().clone()
         else:
             if loaded.shape[1:] != (K,):
@@ -86,12 +88,14 @@ def part_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 # -- embedding tables ---------------------------------------------------------------------------------
 def pack_embedding(module: nn.Module, block_bytes: int) -> None:
-    """Give an embedding / LM-head table a packed parameter [shard rows, hidden / 32, block_bytes] for the
-    file's blocks to load into (before loading)."""
+    """Give an embedding / LM-head table a packed parameter [shard rows, hidden / QK, block_bytes] for the
+    file's blocks to load into (before loading); QK: the format's values per block (32, 256 for K-quants)."""
     rows, hidden = module.weight.shape
-    if hidden % QK:
-        raise ValueError(f"packed GGUF embedding: hidden size {hidden} is not a multiple of {QK}")
-    module.weight = nn.Parameter(torch.zeros(rows, hidden // QK, block_bytes, dtype=torch.uint8), requires_grad=False)
+    qk = block_values(block_bytes)
+    if hidden % qk:
+        raise ValueError(f"packed GGUF embedding: hidden size {hidden} is not a multiple of {qk}, the block of "
+                         f"its format")
+    module.weight = nn.Parameter(torch.zeros(rows, hidden // qk, block_bytes, dtype=torch.uint8), requires_grad=False)
     module.weight.weight_loader = module.weight_loader
 
 
