@@ -16,7 +16,8 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default="none",
+                    help="int8, w8a8, fp8, gguf (the default GGUF kept in its blocks); none: plain weights")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args()

@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--workload", default="offline", choices=sorted(workload.WORKLOADS))
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none",
+                    help="default none: the default GGUF's weights dequantized at load, as the figures in the docs")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -36,6 +38,7 @@ def main() -> None:
 
     from tidal import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               batch_invariant=args.batch_invariant)
     engine = llm.llm_engine

@@ -156,13 +156,13 @@ def measure_vllm(model: str, dtype: str, spec: dict, parts: list[str], batches: 
             for name in parts for batch in batches]
 
 
-def run_offline(model, dtype: str, spec: dict, num: int) -> list[dict]:
+def run_offline(model, dtype: str, spec: dict, num: int, quantization: str | None = None) -> list[dict]:
     from tidal.benchmarks import datasets
     from tidal.benchmarks.throughput import run_tidal
     requests, warmup = datasets.workload_requests("offline")[:num], datasets.workload_warmup("offline")
     rows = []
     for label, cfg in (("base", None), ("spec", spec)):
-        llm = LLM(model, dtype=dtype, speculative_config=cfg)
+        llm = LLM(model, dtype=dtype, speculative_config=cfg, quantization=quantization)
         r = run_tidal(llm, requests, warmup, runs=1, detokenize=True)
         s = llm.llm_engine.stats
         rows.append({"mode": label, "output_tok_s": r["output_tokens_per_s"], "elapsed_s": r["elapsed_s"],
@@ -178,6 +178,9 @@ def main() -> int:
     ap.add_argument("--engine", choices=["tidal", "vllm"], default="tidal",
                     help="vllm: the same prompts through vLLM (run with vLLM's python; --model its folder)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none",
+                    help="Tidal: the target's weights (default none: the default GGUF dequantized at load, plain "
+                    "bf16 weights, as the figures in docs/speculative_decoding.md; gguf: kept in its blocks)")
     ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="speculative_config JSON")
     ap.add_argument("--parts", nargs="+", default=["grounded", "chat", "offline"],
                     choices=["grounded", "chat", "offline"])
@@ -199,7 +202,8 @@ def main() -> int:
         return 0
     rows = []
     if "grounded" in args.parts or "chat" in args.parts:
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, speculative_config=spec)
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=2048, speculative_config=spec,
+                  quantization=args.quantization)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         workloads = {"grounded": chat_prompts(llm, PASSAGES, "Repeat the following text exactly:\n\n{}"),
                      "chat": chat_prompts(llm, QUESTIONS, "{}")}
@@ -218,7 +222,8 @@ def main() -> int:
                     rows.append(measure(llm, name, workloads[name], batch, params, args.runs))
                     print(json.dumps(rows[-1]), flush=True)
         llm.llm_engine.shutdown()
-    offline = run_offline(args.model, args.dtype, spec, args.offline_n) if "offline" in args.parts else []
+    offline = (run_offline(args.model, args.dtype, spec, args.offline_n, args.quantization)
+               if "offline" in args.parts else [])
     print(f"\nCPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; spec {json.dumps(spec)}")
     print(f"{'workload':<10} {'batch':>5} {'decode tok/s':>12} {'with spec':>10} {'speedup':>8} {'e2e speedup':>11} "
           f"{'accept':>7} {'mean len':>8} {'same outputs':>12}")

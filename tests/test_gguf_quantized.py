@@ -405,3 +405,27 @@ def test_tp2_splits_packed_rows_and_blocks(cache_dir, monkeypatch):
         llm.llm_engine.shutdown()
     assert tp_tokens == tokens
     torch.testing.assert_close(tp_logprobs, logprobs, atol=1e-4, rtol=0)
+
+
+def test_pp2_with_fp8_kv_and_prefix_caching_gives_the_single_process_results(cache_dir, monkeypatch):
+    """GGUF blocks under pipeline parallelism, an FP8 KV cache and a warm prefix cache: the same tokens and
+    prompt logprobs as one process with the same cache dtype, and a second run of the same prompts hits
+    the prefix cache and gives them again."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = write_tiny_gguf(str(cache_dir / "tiny-pp.gguf"), "Q4_1", mixed=True)
+    kw = dict(dtype="float32", kv_cache_dtype="fp8", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    tokens, logprobs = _run(LLM(path, **kw))  # quantization None: kept in its blocks, the default for .gguf
+    llm = LLM(path, pipeline_parallel_size=2, **kw)
+    try:
+        assert llm.llm_engine.quantization == "gguf"
+        pp_tokens, pp_logprobs = _run(llm)
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # (prompt logprobs skip the cache)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        cold = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        hits = llm.llm_engine.kv_manager.prefix_hits
+        warm = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert llm.llm_engine.kv_manager.prefix_hits > hits
+    finally:
+        llm.llm_engine.shutdown()
+    assert pp_tokens == tokens == cold == warm
+    torch.testing.assert_close(pp_logprobs, logprobs, atol=1e-4, rtol=0)
