@@ -312,6 +312,27 @@ def test_dataset_path_and_prefix_dataset(tmp_path):
         datasets.load_json_requests(str(path))
 
 
+@pytest.mark.parametrize("flag,want", [(None, None), ("--batch-invariant", True), ("--no-batch-invariant", False)])
+def test_bench_throughput_leaves_the_default_batch_invariance_to_the_engine(monkeypatch, flag, want):
+    """Unset, --batch-invariant reaches the engine unset (None: on where supported, off on a checkpoint
+    quantized in itself, such as a GGUF file kept in its blocks), not as the config's resolved True."""
+    from tidal.benchmarks import throughput
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Loaded
+
+    monkeypatch.setattr("tidal.entrypoints.llm.LLM", fake_llm)
+    parser = throughput.add_arguments(argparse.ArgumentParser())
+    with pytest.raises(Loaded):
+        throughput.main(parser.parse_args(["--workload", "single"] + ([flag] if flag else [])))
+    assert seen["batch_invariant"] is want
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_kv_utilization_counts_only_slots_holding_tokens(tiny_model_dir, block_size):
     from tidal import LLM

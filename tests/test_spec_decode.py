@@ -146,9 +146,11 @@ def test_outputs_are_identical_with_speculation(tiny_model_dir, reference, engin
     assert_engine_idle(engine)
 
 
-def test_tensor_parallel_outputs_are_identical_with_speculation(tiny_model_dir, reference, monkeypatch):
+@pytest.mark.parametrize("spec", [SPEC, DRAFT_SELF], ids=["ngram", "draft-model"])
+def test_tensor_parallel_outputs_are_identical_with_speculation(tiny_model_dir, reference, monkeypatch, spec):
+    """TP=2 target (the draft model runs whole in the engine's process)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=128, speculative_config=SPEC,
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=128, speculative_config=spec,
                    tensor_parallel_size=2, max_num_batched_tokens=32)
     try:
         outs = _generate(llm, _prompts())

@@ -304,7 +304,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--runs must be >= 1, got {args.runs}")
     check_request_options(args)  # before the model loads
     config = engine_config_from_args(args)
-    llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if config.batch_invariant_auto:  # left to the engine, which turns it off on a quantized checkpoint
+        kwargs["batch_invariant"] = None
+    llm = LLM(**kwargs)
     engine = llm.llm_engine
     requests, warmup = build_requests(args, engine.vocab_size)
     machine = _machine(config.device)  # load before the run: the benchmark's own load would read as contention

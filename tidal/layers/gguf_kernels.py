@@ -7,11 +7,11 @@ them, QK = 32 values per block (256 for the K-quants). The block size names the 
 side record of its type, and row slices (tensor-parallel shards, fused QKV parts, the Q/K un-permutation)
 and block-aligned column slices are plain tensor slices.
 
-On the CPU the products go to csrc/gguf_gemm.cpp (built per ISA level by tidal.native): up to 16 rows
-of a decode step (or the LM head's sampled rows) stream the packed weights once, widening each block in
-registers; prompt rows and bigger batches dequantize the layer into a scratch weight of the activation
-dtype and run the dense GEMM (`cpu_linear`). Without a compiler, and on GPUs, the torch dequantization
-below (`dequantize_reference`, which defines what the kernels compute) feeds F.linear.
+On the CPU the products go to csrc/gguf_gemm.cpp (built per ISA level by tidal.native): a decode step of
+a few rows (DECODE_MAX_ROWS; or the LM head's sampled rows) streams the packed weights once, widening each
+block in registers; prompt rows and bigger batches take gemm.cpp's dense blocked kernels, whose weight
+tiles gguf_gemm.cpp dequantizes as they are reached (`_rows_linear`). Without a compiler, and on GPUs, the
+torch dequantization below (`dequantize_reference`, which defines what the kernels compute) feeds F.linear.
 """
 from __future__ import annotations
 
@@ -31,9 +31,12 @@ BLOCK_FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34), "Q5_0": (3, 
 BLOCK_VALUES = {name: 256 if name.endswith("_K") else QK for name in BLOCK_FORMATS}  # values per block
 _BY_BYTES = {nbytes: (name, code) for name, (code, nbytes) in BLOCK_FORMATS.items()}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Decode steps of up to this many rows take the packed kernel (gguf_gemm.cpp's kMaxRows); beyond, the
-# dequantized scratch weight and the dense GEMM.
-DECODE_MAX_ROWS = 16
+# Decode steps of up to this many rows take the streaming kernel (gguf_gemm.cpp, at most its kMaxRows = 16);
+# beyond, the dense blocked kernels over dequantized tiles. Measured on SmolLM2's shapes (2 threads, AVX-512
+# BF16, a layer's four products x 30 plus the LM head): bf16 rows, streaming 3.5 / 6.3 / 9.3 / 11.5 ms for
+# 1 / 4 / 6 / 8 rows against 6.6 / 6.8 / 9.6 / 9.5 ms in tiles (16 rows: 20.7 against 9.6); fp32 rows, whose
+# tile path starts above 8 rows, 11.9 ms streaming for 8, 16.5 against 13.2 for 12.
+DECODE_MAX_ROWS = {torch.bfloat16: 6, torch.float32: 8}
 
 
 def block_format(packed: torch.Tensor) -> str:
@@ -147,7 +150,7 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     M, N = x2.shape[0], packed.shape[0]
     # prompt rows never take the decode kernel (as cpu_linear's skinny GEMM): a prompt's last few tokens
     # computed after a prefix-cache hit round exactly as when the whole prompt runs
-    if (x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= DECODE_MAX_ROWS and skinny_gemm_allowed()
+    if (x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= DECODE_MAX_ROWS[x.dtype] and skinny_gemm_allowed()
             and not (batch_invariant() and x.dtype == torch.bfloat16)):
         lib = gguf_lib()
         if lib is not None and (bias is None or bias.dtype == x.dtype):

@@ -705,7 +705,9 @@ int tidal_linear_f32_rows(const void* x, const void* w, void* fn, int format, co
   const RowSource src{reinterpret_cast<rows_fn>(fn), format};
   const float* xs = static_cast<const float*>(x);
   float* os = static_cast<float*>(out);
-  const int64_t chunk = std::max<int64_t>(kSkinnyMaxRows + 1, (256 * 1024) / (4 * K));  // as linear_f32
+  // chunks of rows as large as about 4 MiB of activations (L3): each chunk dequantizes the whole weight
+  // again, which costs more than widening bf16 (linear_f32's 256 KiB chunks stay in L2)
+  const int64_t chunk = std::max<int64_t>(kSkinnyMaxRows + 1, (4 << 20) / (4 * K));
   for (int64_t m0 = 0; m0 < M; m0 += chunk)
     blocked_f32<false>(xs + m0 * K, static_cast<const float*>(w), static_cast<const float*>(bias), os + m0 * N,
                        std::min(chunk, M - m0), N, K, num_threads, src);
