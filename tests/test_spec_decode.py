@@ -146,12 +146,16 @@ def test_outputs_are_identical_with_speculation(tiny_model_dir, reference, engin
     assert_engine_idle(engine)
 
 
-@pytest.mark.parametrize("spec", [SPEC, DRAFT_SELF], ids=["ngram", "draft-model"])
-def test_tensor_parallel_outputs_are_identical_with_speculation(tiny_model_dir, reference, monkeypatch, spec):
-    """TP=2 target (the draft model runs whole in the engine's process)."""
+@pytest.mark.parametrize("spec,parallel", [(SPEC, {"tensor_parallel_size": 2}),
+                                           (DRAFT_SELF, {"tensor_parallel_size": 2}),
+                                           (SPEC, {"pipeline_parallel_size": 2})],
+                         ids=["tp2-ngram", "tp2-draft-model", "pp2-ngram"])
+def test_tensor_parallel_outputs_are_identical_with_speculation(tiny_model_dir, reference, monkeypatch, spec,
+                                                                parallel):
+    """A TP=2 or PP=2 target (a draft model runs whole in the engine's process)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=128, speculative_config=spec,
-                   tensor_parallel_size=2, max_num_batched_tokens=32)
+                   max_num_batched_tokens=32, **parallel)
     try:
         outs = _generate(llm, _prompts())
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in reference]
@@ -206,3 +210,27 @@ def test_draft_model_catch_up_is_the_tokens_the_draft_has_not_seen(tiny_model_di
     prompt_len = len(_prompts()[0])
     assert computed[0] == prompt_len + 1 and max(computed[1:]) == 2
     assert sum(computed) <= prompt_len + len(out.outputs[0].token_ids) + num_drafts
+
+
+def test_the_server_speculates_and_reports_it(tmp_path):
+    """`tidal serve --speculative-config` (the default model, n-gram): a request whose answer copies its
+    prompt runs drafts, its completion has every token asked for, and /metrics counts the drafts."""
+    import httpx
+
+    from tests.helpers import running_server
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    args = ["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "512", "--speculative-config", spec,
+            "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    text = "one two three four five six seven eight nine ten " * 6
+    with running_server(args, tmp_path / "server.log", 240) as (_, base):
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": text, "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 24
+        metrics = httpx.get(f"{base}/metrics").text
+    drafted = [float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("tidal:spec_decode_num_draft_tokens_total")]
+    accepted = [float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("tidal:spec_decode_num_accepted_tokens_total")]
+    assert drafted and drafted[0] > 0 and accepted and accepted[0] > 0, metrics[-2000:]

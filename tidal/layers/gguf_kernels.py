@@ -32,10 +32,10 @@ BLOCK_VALUES = {name: 256 if name.endswith("_K") else QK for name in BLOCK_FORMA
 _BY_BYTES = {nbytes: (name, code) for name, (code, nbytes) in BLOCK_FORMATS.items()}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Decode steps of up to this many rows take the streaming kernel (gguf_gemm.cpp, at most its kMaxRows = 16);
-# beyond, the dense blocked kernels over dequantized tiles. Measured on SmolLM2's shapes (2 threads, AVX-512
-# BF16, a layer's four products x 30 plus the LM head): bf16 rows, streaming 3.5 / 6.3 / 9.3 / 11.5 ms for
-# 1 / 4 / 6 / 8 rows against 6.6 / 6.8 / 9.6 / 9.5 ms in tiles (16 rows: 20.7 against 9.6); fp32 rows, whose
-# tile path starts above 8 rows, 11.9 ms streaming for 8, 16.5 against 13.2 for 12.
+# beyond, the dense blocked kernels over dequantized tiles. Measured on SmolLM2's shapes (`python
+# benchmarks/gguf_products.py`: a layer's four products x 30 plus the LM head, 2 threads, AVX-512 BF16):
+# bf16 rows, streaming 2.6 / 9.4 / 9.9 / 25.1 ms for 1 / 6 / 8 / 16 rows against 6.1 / 8.8 / 9.3 / 10.3 ms
+# in tiles; fp32 rows (tiles above 8 rows only) 26.5 against 16.1 ms for 16.
 DECODE_MAX_ROWS = {torch.bfloat16: 6, torch.float32: 8}
 
 
