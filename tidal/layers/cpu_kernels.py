@@ -316,15 +316,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
     lib = _GEMM_LIB.get()
     if lib is None or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         return None
+    return _run_linear(x, n, k, bias, lambda xp, bp, op, m: lib.tidal_gemm_bf16_packed(
+        xp, packed.data_ptr(), bp, op, m, n, k, torch.get_num_threads()))
+
+
+def _run_linear(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, call) -> torch.Tensor | None:
+    """x [..., k] -> [..., n] in x's dtype through call(x ptr, bias ptr or None, out ptr, rows), a native
+    kernel's call on the contiguous rows of x (non-zero: it does not apply here, None)."""
     shape = x.shape
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)
+    out = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return out.view(*shape[:-1], n)
-    bias = None if bias is None else bias.contiguous()
-    if lib.tidal_gemm_bf16_packed(x2.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                  out.data_ptr(), m, n, k, torch.get_num_threads()):
+    bias = None if bias is None else bias.contiguous()  # held here: a temporary would be freed before the call
+    if call(x2.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), m):
         return None
     return out.view(*shape[:-1], n)
 
@@ -340,17 +346,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, rows_fn: int, fmt: int, n
     kernel = {torch.bfloat16: "tidal_gemm_bf16_rows", torch.float32: "tidal_linear_f32_rows"}.get(x.dtype)
     if lib is None or kernel is None or (bias is not None and bias.dtype != x.dtype):
         return None
-    shape = x.shape
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype)
-    if m == 0:
-        return out.view(*shape[:-1], n)
-    bias = None if bias is None else bias.contiguous()
-    if getattr(lib, kernel)(x2.data_ptr(), weight.data_ptr(), rows_fn, fmt, None if bias is None else bias.data_ptr(),
-                            out.data_ptr(), m, n, k, torch.get_num_threads()):
-        return None
-    return out.view(*shape[:-1], n)
+    return _run_linear(x, n, k, bias, lambda xp, bp, op, m: getattr(lib, kernel)(
+        xp, weight.data_ptr(), rows_fn, fmt, bp, op, m, n, k, torch.get_num_threads()))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
