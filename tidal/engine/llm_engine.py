@@ -359,8 +359,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         draft_time_s = getattr(self.proposer, "model_time_s", 0.0)  # a draft model's forwards are model time too
-        if self.proposer is not None:
-            speculation.propose_drafts(self)
+        draft_forwards_s = speculation.propose_drafts(self) if self.proposer is not None else 0.0
         batch = self.scheduler.schedule()
         if not batch.scheduled:
             self._wait_for_a_grammar()
@@ -373,7 +372,7 @@ class LLMEngine:
             raise self._fail_step(batch, e) from e
         appended = self.scheduler.update(batch, result.sampled, self._append_tokens)  # stops checked here
         if self.proposer is not None:
-            speculation.record_drafts(self, batch, result.sampled, time.perf_counter() - t0)
+            speculation.record_drafts(self, batch, result.sampled, time.perf_counter() - t0 - draft_forwards_s)
         outputs = self._process_outputs(batch, result, appended)
         model_time_s = result.model_time_s + getattr(self.proposer, "model_time_s", 0.0) - draft_time_s
         self.stats.record_step_time(time.perf_counter() - t0, model_time_s)

@@ -117,6 +117,10 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.tidal_gguf_dequantize.restype = ctypes.c_int
     lib.tidal_gguf_dequantize.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 2
                                           + [ctypes.c_int] * 2)
+    # the row makers' addresses, for gemm.cpp's tile kernels (by activation dtype)
+    lib.tidal_rows_fns = {dtype: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                          for dtype, name in ((torch.bfloat16, "tidal_gguf_rows_bf16"),
+                                              (torch.float32, "tidal_gguf_rows_f32"))}
 
 
 _LIB = NativeLibrary("gguf_gemm", os.path.join(os.path.dirname(__file__), "csrc", "gguf_gemm.cpp"),
@@ -178,12 +182,11 @@ def _rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     weights in bf16_linear's order for any number of rows (batch-invariant); fp32 x: more than 8 rows.
     None where it does not run."""
     lib = gguf_lib()
-    fn = {torch.bfloat16: "tidal_gguf_rows_bf16", torch.float32: "tidal_gguf_rows_f32"}.get(x.dtype)
-    if lib is None or fn is None:
+    fn = None if lib is None else lib.tidal_rows_fns.get(x.dtype)
+    if fn is None:
         return None
     from tidal.layers.cpu_kernels import rows_linear
-    return rows_linear(x, packed, ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value,
-                       BLOCK_FORMATS[block_format(packed)][0], packed.shape[0], x.shape[-1], bias)
+    return rows_linear(x, packed, fn, BLOCK_FORMATS[block_format(packed)][0], packed.shape[0], x.shape[-1], bias)
 
 
 def invariant_supported(act_dtype: torch.dtype) -> bool:

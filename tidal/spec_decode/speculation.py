@@ -53,14 +53,15 @@ def _load_draft_model(spec: SpeculativeConfig, engine):
                               config.seed)
 
 
-def propose_drafts(engine) -> None:
+def propose_drafts(engine) -> float:
     """Draft tokens for running requests that are decoding, no more than their max_tokens can use, as
     many as the draft policy says pay off. Not for requests with a grammar (their drafts would need the
     grammar's state at each draft) nor on models with Mamba layers (a rejected draft would have advanced
-    the recurrent state)."""
+    the recurrent state). Returns the wall seconds of a draft model's forwards (0 otherwise), which the
+    step's cost for the policy leaves out."""
     scheduler, policy, proposer = engine.scheduler, engine.draft_policy, engine.proposer
     if scheduler.state_pool is not None or (policy is not None and not policy.wants_drafts(scheduler.num_running)):
-        return
+        return 0.0
     batched = hasattr(proposer, "propose_batch")  # a draft model: decide first, then draft
     proposals = []
     for request in scheduler.running:
@@ -73,7 +74,7 @@ def propose_drafts(engine) -> None:
             if drafts:
                 proposals.append((request, drafts))
     if not proposals:
-        return
+        return 0.0
     counts = [len(d) for _, d in proposals]
     if policy is not None:
         catch_up = [proposer.pending_tokens(r) for r, _ in proposals] if batched else None
@@ -86,9 +87,9 @@ def propose_drafts(engine) -> None:
         if policy is not None:
             for num_tokens, seconds in forwards:
                 policy.observe_draft_forward(num_tokens, seconds)
-        engine.draft_seconds = sum(seconds for _, seconds in forwards)
     for (request, drafts), n in zip(proposals, counts):
         request.spec_token_ids = drafts[:n]
+    return sum(seconds for _, seconds in forwards) if batched else 0.0
 
 
 def _tokens_without_drafts(engine) -> int:
@@ -102,7 +103,8 @@ def _tokens_without_drafts(engine) -> int:
 
 
 def record_drafts(engine, batch, sampled: dict[str, list[int]], seconds: float) -> None:
-    """Acceptance of a step's drafts (engine stats, the draft policy) and the step's cost."""
+    """Acceptance of a step's drafts (engine stats, the draft policy) and the step's cost (seconds, without
+    the draft model's forwards: those are costed apart)."""
     policy = engine.draft_policy
     drafts = []  # (drafts run, drafts accepted) per request that ran any
     for sr in batch.scheduled:
@@ -112,6 +114,5 @@ def record_drafts(engine, batch, sampled: dict[str, list[int]], seconds: float) 
             if policy is not None:  # (a request that finished has no stats to keep)
                 policy.observe_drafts(engine.scheduler.requests.get(sr.request_id), *drafts[-1])
     engine.stats.record_drafts(drafts)
-    if policy is not None and batch.scheduled:  # the target's share: a draft model's forwards are costed apart
-        policy.observe_step(batch.num_batched_tokens, seconds - getattr(engine, "draft_seconds", 0.0))
-    engine.draft_seconds = 0.0
+    if policy is not None and batch.scheduled:  # the target's share (seconds without a draft model's forwards)
+        policy.observe_step(batch.num_batched_tokens, seconds)
