@@ -14,6 +14,7 @@ from tidal.layers.activation import SiluAndMul
 from tidal.layers.attention import Attention
 from tidal.layers.embedding import VocabParallelEmbedding
 from tidal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import get_rope
 from tidal.models.utils import load_stacked_weights, make_layers, make_lm_head, stage_weights
@@ -101,6 +102,13 @@ class LlamaModel(nn.Module):
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers, lambda i: layer_cls(config, dtype, quant))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if is_last_pp_stage() else None
+        self._native: list = []  # [NativeDecoder or None], decided at the first forward
+
+    def _native_decoder(self) -> NativeDecoder | None:
+        """The stage's layers as one native call on the CPU (tidal/layers/native_decoder.py), where it applies."""
+        if not self._native:
+            self._native.append(NativeDecoder.for_model(self))
+        return self._native[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -108,8 +116,13 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype,
                                               device=input_ids.device)
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden, residual = layer(positions, hidden, residual)
+        native = self._native_decoder()
+        fused = None if native is None else native.forward(hidden, residual, positions)
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            for layer in islice(self.layers, self.start_layer, self.end_layer):
+                hidden, residual = layer(positions, hidden, residual)
         if self.norm is None:  # not the last stage: hand over to the next one
             pp_send_hidden(hidden, residual)
             return hidden

@@ -1,0 +1,173 @@
+// A Llama-family decoder stack run from one native call: for each layer, the fused residual + RMSNorm,
+// the QKV product, rotary, the KV-cache write, paged attention, the output product, the second RMSNorm,
+// gate/up, silu-and-mul and the down product, in that order, through the same kernels the Python layers
+// call one by one (their addresses come from the other libraries: cpu_kernels.cpp, gemm.cpp,
+// gguf_gemm.cpp, quant_gemm.cpp). The results are therefore bitwise those of the layer-by-layer path;
+// what goes is the per-op cost of Python, ctypes and tensor allocation, which on a small model's decode
+// step is comparable to the products themselves (tidal/layers/native_decoder.py).
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// one linear layer: out[M, n] = x[M, k] @ W^T (+ bias), by the kernel its Python method would call
+struct Linear {
+  int32_t kind;     // 0 gemm-style fn(x, w, bias, out, M, N, K, threads); 1 tidal_gguf_linear; 2 rows kernel;
+                    // 3 tidal_w8a16_linear; 4 tidal_w8a8_linear
+  int32_t fmt;      // GGUF block type (kinds 1, 2); weight type (kind 3: 0 int8, 1 E4M3); for kind 0,
+                    // 1: the kernel returns nothing
+  const void* fn;
+  const void* w;
+  const void* bias;
+  const void* aux;  // kind 2: the row maker; kinds 3, 4: the per-row scales
+  const void* aux2; // kind 4: the weight's row sums
+  int64_t n, k;
+};
+
+struct Layer {
+  Linear qkv, o, gate_up, down;
+  const void* in_norm;
+  const void* post_norm;
+  void* k_cache;
+  void* v_cache;
+  float k_scale, v_scale;
+  int32_t kv_dtype, pad;
+};
+
+struct Model {
+  int64_t num_layers, hidden, hq, hk, head_dim, inter, block_size, max_blocks;
+  float eps, scale;
+  int32_t dtype, threads;
+  const void* rms_norm;
+  const void* rope;
+  const void* write_kv;
+  const void* attention;
+  const void* silu_and_mul;
+  const float* cos_full;
+  const float* sin_signed;
+  const Layer* layers;
+};
+
+using gemm_fn = int (*)(const void*, const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+using gemm_void_fn = void (*)(const void*, const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+using gguf_fn = int (*)(const void*, const void*, int, const void*, void*, int64_t, int64_t, int64_t, int, int);
+using rows_fn = int (*)(const void*, const void*, const void*, int, const void*, void*, int64_t, int64_t, int64_t,
+                        int);
+using w8a16_fn = int (*)(const void*, int, const void*, int, const void*, const void*, void*, int64_t, int64_t,
+                         int64_t, int);
+using rms_norm_fn = void (*)(const void*, const void*, const void*, void*, void*, int64_t, int64_t, float, int, int);
+using rope_fn = void (*)(const void*, int64_t, const float*, const float*, const int64_t*, void*, int64_t, int64_t,
+                         int64_t, int, int);
+using write_kv_fn = void (*)(const void*, int64_t, const void*, int64_t, const int64_t*, void*, void*, int64_t,
+                             int64_t, int64_t, int64_t, int, int, float, float);
+using attention_fn = void (*)(const void*, const void*, const void*, const int64_t*, const int64_t*, const int64_t*,
+                              void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int, float,
+                              float, int);
+using w8a8_fn = int (*)(const void*, int, const void*, const void*, const void*, const void*, void*, int64_t,
+                        int64_t, int64_t, int);
+using silu_fn = int (*)(const void*, void*, int64_t, int64_t, int, int);
+
+int run_linear(const Linear& l, const void* x, void* out, int64_t M, int dtype, int threads) {
+  switch (l.kind) {
+    case 0:
+      if (l.fmt == 1) {
+        reinterpret_cast<gemm_void_fn>(l.fn)(x, l.w, l.bias, out, M, l.n, l.k, threads);
+        return 0;
+      }
+      return reinterpret_cast<gemm_fn>(l.fn)(x, l.w, l.bias, out, M, l.n, l.k, threads);
+    case 1:
+      return reinterpret_cast<gguf_fn>(l.fn)(x, l.w, l.fmt, l.bias, out, M, l.n, l.k, dtype, threads);
+    case 2:
+      return reinterpret_cast<rows_fn>(l.fn)(x, l.w, l.aux, l.fmt, l.bias, out, M, l.n, l.k, threads);
+    case 3:
+      return reinterpret_cast<w8a16_fn>(l.fn)(x, dtype, l.w, l.fmt, l.aux, l.bias, out, M, l.n, l.k, threads);
+    case 4:
+      return reinterpret_cast<w8a8_fn>(l.fn)(x, dtype, l.w, l.aux2, l.aux, l.bias, out, M, l.n, l.k, threads);
+    default:
+      return 1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden [T, H] in: the embeddings (or the previous stage's hidden states); residual [T, H]: the residual
+// coming in when has_residual, else unset. Both out: the last layer's output and residual, as the Python
+// layers return them. positions, slots, token_rows, seq_lens [T] int64; block_table [*, max_blocks].
+// Returns non-zero when a kernel refused (nothing is half-done that a rerun of the Python layers would not
+// redo: the KV writes are idempotent).
+int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_residual, const int64_t* positions,
+                          const int64_t* slots, const int64_t* block_table, const int64_t* token_rows,
+                          const int64_t* seq_lens, int64_t T) {
+  const int64_t es = m->dtype == 0 ? 4 : 2;
+  const int64_t H = m->hidden, D = m->head_dim, hq = m->hq, hk = m->hk;
+  const int64_t q_size = hq * D, kv_size = hk * D, qkv_size = q_size + 2 * kv_size, I = m->inter;
+  thread_local std::vector<uint8_t> scratch;
+  const int64_t sizes[] = {T * H, T * H, T * qkv_size, T * (q_size + kv_size), T * q_size, T * q_size,
+                           T * 2 * I, T * I, T * H};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += (s * es + 63) / 64 * 64;
+  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+  uint8_t* p = scratch.data();
+  void* buf[9];
+  for (int i = 0; i < 9; ++i) { buf[i] = p; p += (sizes[i] * es + 63) / 64 * 64; }
+  void* normed = buf[0];
+  void* res2 = buf[1];
+  void* qkv = buf[2];
+  void* qk = buf[3];
+  void* q = buf[4];
+  void* attn = buf[5];
+  void* gate_up = buf[6];
+  void* act = buf[7];
+  void* out = buf[8];  // the output and down products' output (the caller's hidden is an input)
+  const int dt = m->dtype, th = m->threads;
+  auto rms_norm = reinterpret_cast<rms_norm_fn>(m->rms_norm);
+  auto rope = reinterpret_cast<rope_fn>(m->rope);
+  auto write_kv = reinterpret_cast<write_kv_fn>(m->write_kv);
+  auto attention = reinterpret_cast<attention_fn>(m->attention);
+  auto silu = reinterpret_cast<silu_fn>(m->silu_and_mul);
+  // h: the layer's input (then its output), res: the residual stream; both alternate between the caller's
+  // buffers and scratch, and are copied back at the end if they finish in scratch
+  void* h = hidden;
+  void* res = residual;
+  void* res_other = res2;
+  for (int64_t l = 0; l < m->num_layers; ++l) {
+    const Layer& L = m->layers[l];
+    if (l == 0 && !has_residual) {
+      std::memcpy(res, h, T * H * es);
+      rms_norm(h, nullptr, L.in_norm, normed, nullptr, T, H, m->eps, dt, th);
+    } else {
+      rms_norm(h, res, L.in_norm, normed, res_other, T, H, m->eps, dt, th);
+      std::swap(res, res_other);
+    }
+    if (run_linear(L.qkv, normed, qkv, T, dt, th)) return 1;
+    rope(qkv, qkv_size, m->cos_full, m->sin_signed, positions, qk, T, hq + hk, D, dt, th);
+    const uint8_t* v = static_cast<const uint8_t*>(qkv) + (q_size + kv_size) * es;
+    const uint8_t* k = static_cast<const uint8_t*>(qk) + q_size * es;
+    write_kv(k, q_size + kv_size, v, qkv_size, slots, L.k_cache, L.v_cache, T, hk, D, m->block_size, dt,
+             L.kv_dtype, L.k_scale, L.v_scale);
+    const void* qc = qk;
+    if (T > 1) {  // the attention kernel takes contiguous queries: q's rows out of [q | k] rows
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(static_cast<uint8_t*>(q) + t * q_size * es, static_cast<const uint8_t*>(qk) + t * (q_size + kv_size) * es,
+                    q_size * es);
+      qc = q;
+    }
+    attention(qc, L.k_cache, L.v_cache, block_table, token_rows, seq_lens, attn, T, hq, hk, D, m->block_size,
+              m->max_blocks, m->scale, dt, L.kv_dtype, L.k_scale, L.v_scale, th);
+    if (run_linear(L.o, attn, out, T, dt, th)) return 1;
+    rms_norm(out, res, L.post_norm, normed, res_other, T, H, m->eps, dt, th);
+    std::swap(res, res_other);
+    if (run_linear(L.gate_up, normed, gate_up, T, dt, th)) return 1;
+    if (silu(gate_up, act, T, I, dt, th)) return 1;
+    if (run_linear(L.down, act, out, T, dt, th)) return 1;
+    h = out;
+  }
+  if (h != hidden) std::memcpy(hidden, h, T * H * es);
+  if (res != residual) std::memcpy(residual, res, T * H * es);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,271 @@
+"""A Llama-family decoder stack in one native call per forward (csrc/decoder.cpp).
+
+A decode step of a small model spends as long in Python as in its products: per layer some fifteen
+module calls, ten tensor allocations and eight ctypes calls, each a few microseconds, against products
+that stream a few hundred kilobytes of weights. Here the layers' own kernels - the same functions, from
+the same libraries, with the same arguments - are called in sequence from C++, so the outputs are
+bitwise those of the layer-by-layer path and only the per-op cost goes.
+
+`NativeDecoder.for_model(model)` checks once whether a model's stage can run this way: every layer a
+plain `LlamaDecoderLayer` (Llama, Qwen2, Mistral, SmolLM) on the CPU, no tensor parallelism (the row-
+parallel products all-reduce in Python), fp32 or bf16 activations, and every linear layer's method one
+whose kernel the driver can call (`_resolve`). Per forward, `forward` runs only under the CPU-native
+attention backend and for at most MAX_TOKENS tokens (prompt chunks beyond are compute-bound: the
+per-op cost does not matter there); anything else returns None and the Python layers run.
+TIDAL_NATIVE_DECODER=0 turns it off (an A/B switch for benchmarks: both paths give the same bits).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, Structure, c_float, c_int32, c_int64, c_void_p
+
+import torch
+
+from tidal import forward_context
+from tidal.distributed import get_tp_size
+from tidal.layers import cpu_kernels, gguf_kernels, quant_kernels
+from tidal.native import NativeLibrary, cpu_isa
+
+MAX_TOKENS = 256
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Linear(Structure):
+    _fields_ = [("kind", c_int32), ("fmt", c_int32), ("fn", c_void_p), ("w", c_void_p), ("bias", c_void_p),
+                ("aux", c_void_p), ("aux2", c_void_p), ("n", c_int64), ("k", c_int64)]
+
+
+class _Layer(Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("in_norm", c_void_p), ("post_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p),
+                ("k_scale", c_float), ("v_scale", c_float), ("kv_dtype", c_int32), ("pad", c_int32)]
+
+
+class _Model(Structure):
+    _fields_ = [(name, c_int64) for name in ("num_layers", "hidden", "hq", "hk", "head_dim", "inter", "block_size",
+                                             "max_blocks")] + [
+        ("eps", c_float), ("scale", c_float), ("dtype", c_int32), ("threads", c_int32),
+        ("rms_norm", c_void_p), ("rope", c_void_p), ("write_kv", c_void_p), ("attention", c_void_p),
+        ("silu_and_mul", c_void_p), ("cos_full", c_void_p), ("sin_signed", c_void_p), ("layers", POINTER(_Layer))]
+
+
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.tidal_decoder_forward.restype = ctypes.c_int
+    lib.tidal_decoder_forward.argtypes = ([c_void_p, c_void_p, c_void_p, ctypes.c_int] + [c_void_p] * 5
+                                          + [c_int64])
+
+
+_LIB = NativeLibrary("decoder", os.path.join(os.path.dirname(__file__), "csrc", "decoder.cpp"),
+                     ["-O3", "-std=c++17"], [], _configure)
+
+
+def _addr(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), c_void_p).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _bias_ok(bias: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return bias is None or (bias.dtype == dtype and bias.is_contiguous() and bias.device.type == "cpu")
+
+
+def _linear(kind: int, fn: int, w: torch.Tensor, n: int, k: int, bias, fmt: int = 0, aux=None, aux2=None) -> _Linear:
+    return _Linear(kind, fmt, fn, w.data_ptr(), _ptr(bias), _ptr(aux), _ptr(aux2), n, k)
+
+
+def _plain(weight: torch.Tensor, bias, x_dtype: torch.dtype, rows: int, skinny: bool,
+           invariant: bool) -> _Linear | None:
+    """The kernel `cpu_linear` would run for `rows` rows of x_dtype on this plain (or packed) weight."""
+    gemm = cpu_kernels.gemm_lib()
+    if gemm is None or not weight.is_contiguous() or weight.device.type != "cpu" or not _bias_ok(bias, x_dtype):
+        return None
+    packed = getattr(weight, "bf16_packed", None)
+    if packed is not None:
+        if x_dtype != torch.bfloat16:
+            return None
+        return _linear(0, _addr(gemm, "tidal_gemm_bf16_packed"), weight, packed[0], packed[1], bias)
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16 and x_dtype == torch.float32:  # bf16_weight_linear
+        return _linear(0, _addr(gemm, "tidal_linear_f32_bf16w"), weight, n, k, bias, fmt=1)
+    if weight.dtype != x_dtype:
+        return None
+    if x_dtype == torch.float32:  # linear_f32, in both modes
+        return _linear(0, _addr(gemm, "tidal_linear_f32"), weight, n, k, bias, fmt=1)
+    if invariant:  # invariant_linear, bf16
+        name = "tidal_skinny_gemm_bf16_ordered" if rows <= cpu_kernels.SKINNY_MAX_ROWS else "tidal_gemm_bf16"
+    else:
+        name = ("tidal_skinny_gemm_bf16" if rows <= cpu_kernels.SKINNY_MAX_ROWS and skinny
+                else "tidal_gemm_bf16")
+    return _linear(0, _addr(gemm, name), weight, n, k, bias)
+
+
+def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bool) -> _Linear | None:
+    """The kernel a linear layer's method would call for `rows` rows of x_dtype in this forward context,
+    as a descriptor for the driver; None when the method is not one the driver knows (or its kernel
+    would not run here), and the Python layers are used."""
+    from tidal.layers.linear import Bf16WeightLinearMethod, UnquantizedLinearMethod
+    from tidal.layers.quantization.gguf import GGUFLinearMethod
+    from tidal.layers.quantization.methods import Fp8LinearMethod, Int8LinearMethod, W8A8LinearMethod
+    method, bias = layer.quant_method, layer.bias
+    kind = type(method)
+    if kind in (UnquantizedLinearMethod, Bf16WeightLinearMethod):
+        return _plain(layer.weight, bias, x_dtype, rows, skinny, invariant)
+    if kind is GGUFLinearMethod:
+        weight = layer.weight
+        if len(layer.gguf_rows) != 1:
+            return None
+        if weight.dtype != torch.uint8:
+            return _plain(weight, bias, x_dtype, rows, skinny, invariant)
+        lib = gguf_kernels.gguf_lib()
+        if lib is None or not _bias_ok(bias, x_dtype) or not weight.is_contiguous():
+            return None
+        fmt = gguf_kernels.BLOCK_FORMATS[gguf_kernels.block_format(weight)][0]
+        n, k = weight.shape[0], weight.shape[1] * gguf_kernels.block_values(weight.shape[-1])
+        if (1 <= rows <= gguf_kernels.DECODE_MAX_ROWS[x_dtype] and skinny
+                and not (invariant and x_dtype == torch.bfloat16)):
+            return _linear(1, _addr(lib, "tidal_gguf_linear"), weight, n, k, bias, fmt=fmt)
+        gemm, rows_fn = cpu_kernels.gemm_lib(), lib.tidal_rows_fns.get(x_dtype)
+        if gemm is None or rows_fn is None:
+            return None
+        name = "tidal_gemm_bf16_rows" if x_dtype == torch.bfloat16 else "tidal_linear_f32_rows"
+        out = _linear(2, _addr(gemm, name), weight, n, k, bias, fmt=fmt)
+        out.aux = rows_fn
+        return out
+    if kind in (Int8LinearMethod, Fp8LinearMethod, W8A8LinearMethod):
+        lib, weight, scale = quant_kernels.quant_lib(), layer.weight, layer.weight_scale
+        if (lib is None or weight.dim() != 2 or not weight.is_contiguous() or not scale.is_contiguous()
+                or scale.dtype != torch.float32 or scale.numel() != weight.shape[0] or not _bias_ok(bias, x_dtype)):
+            return None
+        n, k = weight.shape
+        if kind is W8A8LinearMethod:
+            sums = getattr(layer, "weight_row_sums", None)
+            if weight.dtype != torch.int8 or sums is None or not sums.is_contiguous() or sums.dtype != torch.int32:
+                return None
+            return _linear(4, _addr(lib, "tidal_w8a8_linear"), weight, n, k, bias, aux=scale, aux2=sums)
+        wkind = {torch.int8: 0, torch.float8_e4m3fn: 1}.get(weight.dtype)
+        if wkind is None:
+            return None
+        return _linear(3, _addr(lib, "tidal_w8a16_linear"), weight, n, k, bias, fmt=wkind, aux=scale)
+    return None
+
+
+class NativeDecoder:
+    """The decoder layers of one LlamaModel stage, run by csrc/decoder.cpp (see the module docstring)."""
+
+    def __init__(self, layers: list, dtype: torch.dtype) -> None:
+        self.layers, self.dtype = layers, dtype
+        self._plans: dict = {}
+
+    @staticmethod
+    def for_model(model) -> NativeDecoder | None:
+        """For a LlamaModel whose stage this driver can run, else None (checked once, at the first forward)."""
+        from tidal.models.llama import LlamaDecoderLayer
+        if os.environ.get("TIDAL_NATIVE_DECODER", "1") == "0" or get_tp_size() != 1:
+            return None
+        layers = list(model.layers)[model.start_layer:model.end_layer]
+        if not layers or model.dtype not in _DTYPES or any(type(layer) is not LlamaDecoderLayer for layer in layers):
+            return None
+        first = layers[0]
+        if first.input_layernorm.weight.device.type != "cpu" or _LIB.get() is None:
+            return None
+        lib = cpu_kernels.native_lib()
+        if lib is None or lib.tidal_vector_lanes() <= 1:  # silu-and-mul has no scalar build
+            return None
+        a0, m0 = first.self_attn, first.mlp
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            if ((a.num_heads, a.num_kv_heads, a.head_dim) != (a0.num_heads, a0.num_kv_heads, a0.head_dim)
+                    or a._rotary[0] is not a0._rotary[0] or a.attn.sliding_window is not None
+                    or a.attn.scale != a0.attn.scale
+                    or m.down_proj.in_features != m0.down_proj.in_features
+                    or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {first.input_layernorm.eps}
+                    or not (layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype
+                            == model.dtype)):
+                return None
+        return NativeDecoder(layers, model.dtype)
+
+    def _plan(self, key, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bool, threads: int):
+        plan = self._plans.get(key, False)
+        if plan is not False:
+            return plan
+        plan = self._build(x_dtype, rows, skinny, invariant, threads)
+        self._plans[key] = plan
+        return plan
+
+    def _build(self, x_dtype, rows, skinny, invariant, threads):
+        lib = cpu_kernels.native_lib()
+        if lib is None:
+            return None
+        entries = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            kv = a.attn.kv_cache
+            if kv is None or not kv.is_contiguous() or kv.device.type != "cpu":
+                return None
+            cache_dtype = cpu_kernels._CACHE_DTYPES.get(kv.dtype)
+            if cache_dtype is None or not cpu_kernels._cache_dtype_ok(x_dtype, kv.dtype):
+                return None
+            linears = [_resolve(p, x_dtype, rows, skinny, invariant)
+                       for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+            if any(li is None for li in linears):
+                return None
+            if (linears[0].n != (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+                    or linears[2].n != 2 * m.down_proj.in_features):
+                return None
+            v_offset = kv[1].data_ptr()
+            entries.append(_Layer(*linears, layer.input_layernorm.weight.data_ptr(),
+                                  layer.post_attention_layernorm.weight.data_ptr(), kv[0].data_ptr(), v_offset,
+                                  a.attn.k_scale, a.attn.v_scale, cache_dtype, 0))
+        first = self.layers[0]
+        a = first.self_attn
+        kv = a.attn.kv_cache
+        rotary = a._rotary[0]
+        array = (_Layer * len(entries))(*entries)
+        model = _Model(len(entries), first.input_layernorm.weight.shape[0], a.num_heads, a.num_kv_heads, a.head_dim,
+                       first.mlp.down_proj.in_features, kv.shape[3], 0, first.input_layernorm.eps, a.attn.scale,
+                       _DTYPES[x_dtype], threads, _addr(lib, "tidal_rms_norm"), _addr(lib, "tidal_rope_neox"),
+                       _addr(lib, "tidal_write_kv"), _addr(lib, "tidal_paged_attention_decode"),
+                       _addr(lib, "tidal_silu_and_mul"), rotary.cos_full.data_ptr(), rotary.sin_signed.data_ptr(),
+                       array)
+        model._keep = (array, rotary)
+        return model
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stage's layers over hidden [T, H] (and the residual coming in): (hidden, residual) as the
+        last layer returns them, or None where the Python layers must run."""
+        from tidal.layers.attention.backends import CPUNativeBackend
+        ctx = forward_context._CONTEXT
+        T = hidden.shape[0]
+        if (ctx is None or type(ctx.attn_backend) is not CPUNativeBackend or not 1 <= T <= MAX_TOKENS
+                or hidden.dtype != self.dtype or hidden.dim() != 2 or positions.dtype != torch.int64
+                or (residual is not None and residual.shape != hidden.shape)):
+            return None
+        meta = ctx.attn_metadata
+        lib = _LIB.get()
+        threads = torch.get_num_threads()
+        kv = self.layers[0].self_attn.attn.kv_cache
+        if lib is None or kv is None:
+            return None
+        skinny, invariant = bool(ctx.skinny_gemm), bool(ctx.batch_invariant)
+        # the kernels' choices depend on the row count only at these thresholds
+        rows_key = (T <= cpu_kernels.SKINNY_MAX_ROWS, T <= gguf_kernels.DECODE_MAX_ROWS[self.dtype])
+        key = (rows_key, skinny, invariant, threads, cpu_isa(), kv.data_ptr())
+        plan = self._plan(key, self.dtype, T, skinny, invariant, threads)
+        if plan is None:
+            return None
+        table = meta.block_table
+        slots, rows, lens = meta.slot_mapping, meta.token_rows, meta.seq_lens
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (table, slots, rows, lens, positions)):
+            return None
+        plan.max_blocks = table.shape[1]
+        out = hidden.contiguous().clone()
+        res = torch.empty_like(out) if residual is None else residual.contiguous().clone()
+        if lib.tidal_decoder_forward(ctypes.addressof(plan), out.data_ptr(), res.data_ptr(), residual is not None,
+                                     positions.data_ptr(), slots.data_ptr(), table.data_ptr(), rows.data_ptr(),
+                                     lens.data_ptr(), T):
+            return None
+        return out, res
