@@ -17,7 +17,8 @@ over the same text, tokenized by llama.cpp's tokenizer, from the logits of every
 
 The script runs in any Python: where llama_cpp does not import, it finds (or makes) the GGUF with this
 interpreter (make_q8_0_gguf.py needs Tidal's environment: gguf, numpy) and re-runs itself in the
-llama.cpp side venv, $PEERS_DIR/llamacpp-venv (default ~/.cache/tidal-peers; set up: PEERS.md).
+llama.cpp side venv, $PEERS_DIR/llamacpp-venv (default ~/.cache/tidal-peers; set up: PEERS.md), or
+$PEERS_DIR/$LLAMACPP_VENV (LLAMACPP_VENV=llamacpp-avx2-venv: the build without AVX-512, PEERS.md).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TEXT = HERE.parent / "data" / "alice29.txt"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "tidal-peers"))
-VENV_PY = PEERS_DIR / "llamacpp-venv" / "bin" / "python"
+# LLAMACPP_VENV: another build's side venv (e.g. llamacpp-avx2-venv, built without AVX-512: PEERS.md)
+VENV_PY = PEERS_DIR / os.environ.get("LLAMACPP_VENV", "llamacpp-venv") / "bin" / "python"
 sys.path.insert(0, str(HERE))
 import workload  # noqa: E402
 

@@ -94,6 +94,8 @@ def _plain(weight: torch.Tensor, bias, x_dtype: torch.dtype, rows: int, skinny: 
         return None
     if x_dtype == torch.float32:  # linear_f32, in both modes
         return _linear(0, _addr(gemm, "tidal_linear_f32"), weight, n, k, bias, fmt=1)
+    if cpu_isa() != "avx512_bf16":  # bf16 products without VDPBF16PS: torch's (F.linear)
+        return None
     if invariant:  # invariant_linear, bf16
         name = "tidal_skinny_gemm_bf16_ordered" if rows <= cpu_kernels.SKINNY_MAX_ROWS else "tidal_gemm_bf16"
     else:
@@ -158,6 +160,7 @@ class NativeDecoder:
     def __init__(self, layers: list, dtype: torch.dtype) -> None:
         self.layers, self.dtype = layers, dtype
         self._plans: dict = {}
+        self.calls = 0  # forwards run natively (tests and benchmarks read it)
 
     @staticmethod
     def for_model(model) -> NativeDecoder | None:
@@ -267,5 +270,7 @@ class NativeDecoder:
         if lib.tidal_decoder_forward(ctypes.addressof(plan), out.data_ptr(), res.data_ptr(), residual is not None,
                                      positions.data_ptr(), slots.data_ptr(), table.data_ptr(), rows.data_ptr(),
                                      lens.data_ptr(), T):
+            self._plans[key] = None  # a kernel refused: this kind of step keeps the Python layers
             return None
+        self.calls += 1
         return out, res

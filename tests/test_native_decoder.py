@@ -1,0 +1,99 @@
+"""The native decoder (tidal/layers/native_decoder.py): a Llama-family stage's layers run from one C++
+call through the same kernels the Python layers call. Each configuration runs the same prompts twice,
+natively and through the Python layers, and the sampled tokens and every logprob (prompt and sample)
+must be bitwise equal; the native path must have run. Prompts of 7-40 tokens and a batch of 8 take the
+kernels' row-count thresholds (1-4 rows, the GGUF decode kernel's 6/8, prompt chunks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import TEST_KV_CACHE_BYTES, random_prompts, save_tiny_model, tiny_config
+from tests.test_gguf_quantized import VOCAB, write_tiny_gguf
+from tidal import LLM, SamplingParams
+from tidal.layers.native_decoder import NativeDecoder
+from tidal.native import isa_override, runnable_isas
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+
+
+def _decoder(llm: LLM) -> NativeDecoder | None:
+    return llm.llm_engine.runner.model.model._native_decoder()
+
+
+def _run(llm: LLM, prompts: list[list[int]]):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [lp.logprob for o in outs for step in o.outputs[0].logprobs for lp in step.values()]
+    logprobs += [lp.logprob for o in outs for step in o.prompt_logprobs[1:] for lp in step.values()]
+    return tokens, torch.tensor(logprobs)
+
+
+def _native_equals_python(llm: LLM, prompts: list[list[int]], expect_native: bool = True) -> None:
+    decoder = _decoder(llm)
+    assert decoder is not None
+    native = _run(llm, prompts)
+    assert (decoder.calls > 0) == expect_native
+    llm.llm_engine.runner.model.model._native[:] = [None]  # the Python layers from here on
+    python = _run(llm, prompts)
+    assert native[0] == python[0]
+    assert torch.equal(native[1], python[1])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("llama")), tiny_config("llama"))
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):  # QKV bias
+    return save_tiny_model(str(tmp_path_factory.mktemp("qwen2")), tiny_config("qwen2"))
+
+
+def _prompts(vocab: int = 512, n: int = 8) -> list[list[int]]:
+    return random_prompts(n, 7, 40, vocab)
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("dtype,quantization,kv", [
+    ("float32", None, "auto"), ("bfloat16", None, "auto"), ("bfloat16", "int8", "auto"),
+    ("float32", "w8a8", "auto"), ("bfloat16", "fp8", "fp8"), ("bfloat16", None, "fp8")])
+def test_native_decoder_is_bitwise_the_python_layers(llama, isa, dtype, quantization, kv):
+    with isa_override(isa):
+        llm = LLM(llama, dtype=dtype, quantization=quantization, kv_cache_dtype=kv,
+                  kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+        if isa == "generic":  # no vector silu-and-mul in that build: the driver is not used there
+            _run(llm, _prompts(n=2))
+            assert _decoder(llm) is None
+            return
+        # bf16 products of plain weights without AVX-512 BF16 are torch's: those layers stay in Python
+        _native_equals_python(llm, _prompts(), expect_native=not (dtype == "bfloat16" and quantization is None
+                                                                  and isa != "avx512_bf16"))
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_native_decoder_with_qkv_bias_and_batch_invariance(qwen2, invariant):
+    llm = LLM(qwen2, dtype="bfloat16", batch_invariant=invariant, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    _native_equals_python(llm, _prompts())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decoder_on_gguf_blocks(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), "Q4_1")
+    llm = LLM(path, quantization="gguf", dtype=dtype, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    _native_equals_python(llm, _prompts(VOCAB))
+
+
+def test_layers_the_driver_cannot_call_take_the_python_path(tmp_path, monkeypatch):
+    """A GGUF file whose fused gate/up mixes formats (a layer held in two parts) keeps the Python layers,
+    and TIDAL_NATIVE_DECODER=0 turns the driver off."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(str(tmp_path / "mixed.gguf"), "Q4_1", mixed=True)
+    llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    decoder = _decoder(llm)
+    assert decoder is not None
+    _run(llm, _prompts(VOCAB, 2))
+    assert decoder.calls == 0 and all(plan is None for plan in decoder._plans.values())
+    monkeypatch.setenv("TIDAL_NATIVE_DECODER", "0")
+    assert _decoder(LLM(path, quantization="gguf", dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)) is None
