@@ -5,12 +5,16 @@ the model's forward is timed whole.
     python benchmarks/decode_ops.py                       # default model, dtype auto
     python benchmarks/decode_ops.py --quantization int8
 
-One 128-token prompt, 256 greedy tokens (after one untimed run); prints ms per token per op.
+One 128-token prompt, 256 greedy tokens (after one untimed run); prints ms per token per op. The decoder
+layers run through the Python layers here (TIDAL_NATIVE_DECODER=0, unless set otherwise), so that each
+kernel call can be timed; in the engine they run from one native call (tidal/layers/native_decoder.py),
+the same kernels without the calls' Python.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 
 
@@ -22,6 +26,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args()
 
+    os.environ.setdefault("TIDAL_NATIVE_DECODER", "0")
     from tidal import LLM, SamplingParams
     from tidal.layers import cpu_kernels, quant_kernels
 

@@ -73,7 +73,10 @@ def _bias_ok(bias: torch.Tensor | None, dtype: torch.dtype) -> bool:
 
 
 def _linear(kind: int, fn: int, w: torch.Tensor, n: int, k: int, bias, fmt: int = 0, aux=None, aux2=None) -> _Linear:
-    return _Linear(kind, fmt, fn, w.data_ptr(), _ptr(bias), _ptr(aux), _ptr(aux2), n, k)
+    """A descriptor of csrc/decoder.cpp's Linear; aux, aux2: tensors (their addresses) or addresses."""
+    def address(a):
+        return a if a is None or isinstance(a, int) else a.data_ptr()
+    return _Linear(kind, fmt, fn, w.data_ptr(), _ptr(bias), address(aux), address(aux2), n, k)
 
 
 def _plain(weight: torch.Tensor, bias, x_dtype: torch.dtype, rows: int, skinny: bool,
@@ -133,9 +136,7 @@ def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bo
         if gemm is None or rows_fn is None:
             return None
         name = "tidal_gemm_bf16_rows" if x_dtype == torch.bfloat16 else "tidal_linear_f32_rows"
-        out = _linear(2, _addr(gemm, name), weight, n, k, bias, fmt=fmt)
-        out.aux = rows_fn
-        return out
+        return _linear(2, _addr(gemm, name), weight, n, k, bias, fmt=fmt, aux=rows_fn)
     if kind in (Int8LinearMethod, Fp8LinearMethod, W8A8LinearMethod):
         lib, weight, scale = quant_kernels.quant_lib(), layer.weight, layer.weight_scale
         if (lib is None or weight.dim() != 2 or not weight.is_contiguous() or not scale.is_contiguous()
@@ -218,9 +219,9 @@ class NativeDecoder:
             if (linears[0].n != (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                     or linears[2].n != 2 * m.down_proj.in_features):
                 return None
-            v_offset = kv[1].data_ptr()
+            # K blocks and V blocks: the two halves of the layer's cache (attention/layer.py: split_kv_cache)
             entries.append(_Layer(*linears, layer.input_layernorm.weight.data_ptr(),
-                                  layer.post_attention_layernorm.weight.data_ptr(), kv[0].data_ptr(), v_offset,
+                                  layer.post_attention_layernorm.weight.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(),
                                   a.attn.k_scale, a.attn.v_scale, cache_dtype, 0))
         first = self.layers[0]
         a = first.self_attn
