@@ -9,9 +9,9 @@ bitwise those of the layer-by-layer path and only the per-op cost goes.
 `NativeDecoder.for_model(model)` checks once whether a model's stage can run this way: every layer a
 plain `LlamaDecoderLayer` (Llama, Qwen2, Mistral, SmolLM) on the CPU, no tensor parallelism (the row-
 parallel products all-reduce in Python), fp32 or bf16 activations, and every linear layer's method one
-whose kernel the driver can call (`_resolve`). Per forward, `forward` runs only under the CPU-native
-attention backend and for at most MAX_TOKENS tokens (prompt chunks beyond are compute-bound: the
-per-op cost does not matter there); anything else returns None and the Python layers run.
+whose kernel the driver can call (`_resolve`). Per forward, `forward` runs under the CPU-native
+attention backend (decodes and prompt chunks alike); anything else returns None and the Python layers
+run.
 TIDAL_NATIVE_DECODER=0 turns it off (an A/B switch for benchmarks: both paths give the same bits).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tidal.distributed import get_tp_size
 from tidal.layers import cpu_kernels, gguf_kernels, quant_kernels
 from tidal.native import NativeLibrary, cpu_isa
 
-MAX_TOKENS = 256
+MAX_TOKENS = 16384  # tokens per forward (beyond, the Python layers: the driver's buffers are sized per call)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 

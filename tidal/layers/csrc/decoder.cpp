@@ -104,11 +104,16 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
   const int64_t es = m->dtype == 0 ? 4 : 2;
   const int64_t H = m->hidden, D = m->head_dim, hq = m->hq, hk = m->hk;
   const int64_t q_size = hq * D, kv_size = hk * D, qkv_size = q_size + 2 * kv_size, I = m->inter;
-  thread_local std::vector<uint8_t> scratch;
+  // the activations' buffers: kept between calls up to kKeepBytes (a decode step's few kilobytes, a prompt
+  // chunk's megabytes), made for the call alone beyond
+  constexpr int64_t kKeepBytes = int64_t{128} << 20;
+  thread_local std::vector<uint8_t> kept;
+  std::vector<uint8_t> once;
   const int64_t sizes[] = {T * H, T * H, T * qkv_size, T * (q_size + kv_size), T * q_size, T * q_size,
                            T * 2 * I, T * I, T * H};
   int64_t total = 0;
   for (int64_t s : sizes) total += (s * es + 63) / 64 * 64;
+  std::vector<uint8_t>& scratch = total <= kKeepBytes ? kept : once;
   if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
   uint8_t* p = scratch.data();
   void* buf[9];
