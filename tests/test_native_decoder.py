@@ -46,6 +46,22 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory):  # a bf16 checkpoint: dtype "auto" without native bf16 keeps bf16 weights
+    import transformers
+    path = save_tiny_model(str(tmp_path_factory.mktemp("llama-bf16")), tiny_config("llama"))
+    transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_native_decoder_on_bf16_weights_under_fp32_activations(llama_bf16):
+    with isa_override("avx2"):
+        llm = LLM(llama_bf16, dtype="auto", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+        layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
+        assert layer.weight.dtype == torch.bfloat16 and llm.llm_engine.dtype == torch.float32
+        _native_equals_python(llm, _prompts())
+
+
+@pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):  # QKV bias
     return save_tiny_model(str(tmp_path_factory.mktemp("qwen2")), tiny_config("qwen2"))
 

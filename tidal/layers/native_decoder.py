@@ -116,7 +116,9 @@ def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bo
     from tidal.layers.quantization.methods import Fp8LinearMethod, Int8LinearMethod, W8A8LinearMethod
     method, bias = layer.quant_method, layer.bias
     kind = type(method)
-    if kind in (UnquantizedLinearMethod, Bf16WeightLinearMethod):
+    if kind is Bf16WeightLinearMethod:  # bf16_weight_linear: the native kernel for fp32 activations only
+        return _plain(layer.weight, bias, x_dtype, rows, skinny, invariant) if x_dtype == torch.float32 else None
+    if kind is UnquantizedLinearMethod:
         return _plain(layer.weight, bias, x_dtype, rows, skinny, invariant)
     if kind is GGUFLinearMethod:
         weight = layer.weight
