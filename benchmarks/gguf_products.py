@@ -6,7 +6,9 @@ figures behind `tidal.layers.gguf_kernels.DECODE_MAX_ROWS`).
     python benchmarks/gguf_products.py --rows 1 16
 
 A step is a layer's four products (QKV, output, gate/up, down; Q4_1, SmolLM2-135M's shapes) x 30 plus the
-LM head (Q8_0, 49,152 x 576), each timed alone on random blocks, 2 threads by default. Each shape has 30
+LM head (Q8_0, 49,152 x 576), each timed alone on random blocks, 2 threads by default. Beside the decode
+kernel (activations kept in fp32/bf16) and the tiles: the decode kernel on activations quantized to int8 per
+chunk of 32 with integer dot products (gguf_kernels.gguf_linear_q8, llama.cpp's way). Each shape has 30
 copies of its weight (one per layer, as in the model: 96 MB in all, more than the caches hold), taken in
 turn, so the weights come from memory as in the engine; --warm reuses one copy (the weights then come
 from cache). The last line times the packed bf16 kernel over the same shapes (the model dequantized to
@@ -77,8 +79,17 @@ def main() -> None:
                         1 if dtype == torch.bfloat16 else 0, args.threads))
                 if dtype == torch.bfloat16 or m > 8:  # fp32 tiles run above 8 rows
                     tiles += per_step(copies, times, lambda p: gk._rows_linear(x, p, None))
+            q8 = 0.0
+            for copies, k, times in weights:  # the same products on int8 activations (llama.cpp's way)
+                x = torch.randn(m, k).to(dtype)
+                n = copies[0].shape[0]
+                lib, out = gk.gguf_lib(), torch.empty(m, n, dtype=dtype)
+                code = gk.BLOCK_FORMATS[gk.block_format(copies[0])][0]
+                q8 += per_step(copies, times, lambda p: lib.tidal_gguf_linear_q8(
+                    x.data_ptr(), p.data_ptr(), code, None, out.data_ptr(), m, n, k,
+                    1 if dtype == torch.bfloat16 else 0, args.threads))
             print(f"{str(dtype).removeprefix('torch.'):8s} {m:3d} rows: streaming {stream:6.2f} ms   "
-                  f"tiles {tiles:6.2f} ms per step", flush=True)
+                  f"tiles {tiles:6.2f} ms   streaming on int8 activations {q8:6.2f} ms per step", flush=True)
     if cpu_kernels.packed_gemm_available():
         total = nbytes = 0.0
         for copies, k, times in weights:

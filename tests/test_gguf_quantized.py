@@ -108,6 +108,47 @@ def test_kernel_equals_dequantize_then_matmul(fmt, isa, dtype):
         assert (err <= bound).all(), f"{fmt} {isa} {dtype} rows={rows}: max error {err.max().item():.3g}"
 
 
+def _q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8-activation kernel sees it: per chunk of 32, round-half-even(x * 127 / max|x|)
+    times max|x| / 127 (float64)."""
+    xb = x.double().view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, (127.0 / amax.float()).double(), torch.zeros_like(amax))
+    return (torch.round(xb * inv) * (amax / 127.0)).view_as(x.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", [i for i in runnable_isas() if i != "generic"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int8_activation_kernel_equals_its_quantized_product(fmt, isa, dtype):
+    """tidal_gguf_linear_q8 (llama.cpp's way: activations quantized per chunk of 32, integer dot products;
+    a measurement switch, TIDAL_GGUF_ACTIVATIONS=q8): the exact product of the quantized activations and the
+    dequantized weights, within fp32 rounding; Q6_K is not taken."""
+    n, k = 70, _cols(fmt, 160)
+    packed, values = _packed(fmt, n, k, seed=1)
+    w = torch.from_numpy(values).double()
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        with isa_override(isa):
+            got = gguf_kernels.gguf_linear_q8(x, packed)
+        if fmt == "Q6_K":
+            assert got is None
+            continue
+        xh = _q8_activations(x)
+        want, mag = xh @ w.T, xh.abs() @ w.abs().T
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # bf16 output: one rounding
+        err = (got.double() - want).abs()
+        assert (err <= tol * mag + 1e-6).all(), f"{fmt} {isa} rows={rows}: max error {err.max().item():.3g}"
+
+
+def test_the_decode_kernel_switch(monkeypatch):
+    q4_1, q6_k = gguf_kernels.BLOCK_FORMATS["Q4_1"][0], gguf_kernels.BLOCK_FORMATS["Q6_K"][0]
+    assert gguf_kernels.decode_kernel(q4_1) == "tidal_gguf_linear"
+    monkeypatch.setenv("TIDAL_GGUF_ACTIVATIONS", "q8")
+    assert gguf_kernels.decode_kernel(q4_1) == "tidal_gguf_linear_q8"
+    assert gguf_kernels.decode_kernel(q6_k) == "tidal_gguf_linear"
+
+
 @pytest.mark.skipif("avx512_bf16" not in runnable_isas(), reason="the bf16 tile kernel needs AVX-512 BF16")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bf16_tiles_equal_the_dense_kernel_on_the_dequantized_weight_for_any_rows(fmt):

@@ -93,9 +93,11 @@ def test_native_decoder_with_qkv_bias_and_batch_invariance(qwen2, invariant):
     _native_equals_python(llm, _prompts())
 
 
+@pytest.mark.parametrize("activations", ["float", "q8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decoder_on_gguf_blocks(tmp_path, monkeypatch, dtype):
+def test_native_decoder_on_gguf_blocks(tmp_path, monkeypatch, dtype, activations):
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TIDAL_GGUF_ACTIVATIONS", activations)  # q8: the int8-activation decode kernel
     path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), "Q4_1")
     llm = LLM(path, quantization="gguf", dtype=dtype, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
     _native_equals_python(llm, _prompts(VOCAB))

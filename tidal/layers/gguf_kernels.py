@@ -110,10 +110,21 @@ def dequantize_reference(packed: torch.Tensor, dtype: torch.dtype = torch.float3
     return w.reshape(*packed.shape[:-2], -1).to(dtype)
 
 
+def decode_kernel(code: int) -> str:
+    """The decode product's kernel for block type `code`: tidal_gguf_linear (activations kept in fp32/bf16,
+    the default), or with TIDAL_GGUF_ACTIVATIONS=q8 tidal_gguf_linear_q8 (int8 activations per chunk of 32,
+    integer dot products: llama.cpp's way, a measurement switch; not Q6_K)."""
+    if os.environ.get("TIDAL_GGUF_ACTIVATIONS", "float") == "q8" and code != BLOCK_FORMATS["Q6_K"][0]:
+        return "tidal_gguf_linear_q8"
+    return "tidal_gguf_linear"
+
+
 def _configure(lib: ctypes.CDLL) -> None:
     lib.tidal_gguf_linear.restype = ctypes.c_int
     lib.tidal_gguf_linear.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2)
+    lib.tidal_gguf_linear_q8.restype = ctypes.c_int
+    lib.tidal_gguf_linear_q8.argtypes = lib.tidal_gguf_linear.argtypes
     lib.tidal_gguf_dequantize.restype = ctypes.c_int
     lib.tidal_gguf_dequantize.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 2
                                           + [ctypes.c_int] * 2)
@@ -162,9 +173,9 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
             out = torch.empty(M, N, dtype=x.dtype)
             code = BLOCK_FORMATS[block_format(packed)][0]
             bias = None if bias is None else bias.contiguous()  # held: a temporary would be freed before the call
-            if not lib.tidal_gguf_linear(x2.data_ptr(), packed.data_ptr(), code,
-                                         None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                         M, N, x2.shape[1], _DTYPES[x.dtype], torch.get_num_threads()):
+            if not getattr(lib, decode_kernel(code))(x2.data_ptr(), packed.data_ptr(), code,
+                                                     None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                     M, N, x2.shape[1], _DTYPES[x.dtype], torch.get_num_threads()):
                 return out.view(*shape[:-1], N)
     if x.device.type == "cpu":
         if (out := _rows_linear(x, packed, bias)) is not None:
@@ -173,6 +184,26 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
         # the dequantized scratch weight in x's dtype: the dense kernels of the model dtype run on it
         return cpu_linear(x, dequantize(packed, x.dtype), bias)
     return F.linear(x, dequantize_reference(packed, x.dtype), bias)
+
+
+def gguf_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The decode product with the activations quantized to int8 per chunk of 32 (scale max |x| / 127, round
+    to nearest even) and integer dot products, as llama.cpp computes it: x [M, K] (1 to 16 rows, fp32 or
+    bf16, on the CPU) @ dequant(packed)^T (+ bias). An alternative measured against the fp32 path
+    (benchmarks/gguf_products.py); the engine runs gguf_linear. None where it does not apply (no AVX2 build,
+    Q6_K)."""
+    lib = gguf_lib() if x.device.type == "cpu" else None
+    M, K = x.shape
+    if lib is None or x.dtype not in _DTYPES or not 1 <= M <= 16 or (bias is not None and bias.dtype != x.dtype):
+        return None
+    x = x.contiguous()
+    out = torch.empty(M, packed.shape[0], dtype=x.dtype)
+    bias = None if bias is None else bias.contiguous()
+    if lib.tidal_gguf_linear_q8(x.data_ptr(), packed.data_ptr(), BLOCK_FORMATS[block_format(packed)][0],
+                                None if bias is None else bias.data_ptr(), out.data_ptr(), M, packed.shape[0], K,
+                                _DTYPES[x.dtype], torch.get_num_threads()):
+        return None
+    return out
 
 
 def _rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -133,7 +133,7 @@ def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bo
         n, k = weight.shape[0], weight.shape[1] * gguf_kernels.block_values(weight.shape[-1])
         if (1 <= rows <= gguf_kernels.DECODE_MAX_ROWS[x_dtype] and skinny
                 and not (invariant and x_dtype == torch.bfloat16)):
-            return _linear(1, _addr(lib, "tidal_gguf_linear"), weight, n, k, bias, fmt=fmt)
+            return _linear(1, _addr(lib, gguf_kernels.decode_kernel(fmt)), weight, n, k, bias, fmt=fmt)
         gemm, rows_fn = cpu_kernels.gemm_lib(), lib.tidal_rows_fns.get(x_dtype)
         if gemm is None or rows_fn is None:
             return None

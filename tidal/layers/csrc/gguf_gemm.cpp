@@ -26,6 +26,8 @@
 //   chunk of 64 weight rows from cache; fp32 or bf16 activations and output.
 // tidal_gguf_dequantize: rows of packed weights to fp32 or bf16 [rows, K] (prompt chunks and bigger
 //   batches dequantize the layer into a scratch buffer and run the dense GEMM; embedding lookups).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -342,6 +344,76 @@ using group_fn = void (*)(int64_t, const float*, const float*, const uint8_t*, i
 constexpr group_fn kGroups[kTypes] = {linear_group<0>, linear_group<1>, linear_group<2>, linear_group<3>,
                                       linear_group<4>, linear_group<5>, linear_group<6>, linear_group<7>};
 
+#if defined(__AVX2__)
+// Integer dot products on activations quantized per chunk of 32 (llama.cpp's Q8 activations): xq int8,
+// xd the chunk's scale (max |x| / 127), xs the sum of its xq. A chunk's dot product is
+// d * xd * (q . xq) + m * xd * xs, the integer part exact. Q6_K (two scales per chunk) is not taken.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);  // VPDPBUSD
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  // no saturation: |u| <= 128
+#endif
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+template <int T, int MR>
+void linear_rows_q8(const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, int64_t n0, int64_t n1,
+                    int64_t K, float* acc_out) {
+  constexpr int C = kChunks[T], BB = kBlockBytes[T];
+  constexpr bool kSigned = T == 2;            // Q8_0's quants are signed: |q| times x with q's sign
+  constexpr bool kOffset = T != 2;
+  const int64_t nc = K / QK, nb = nc / C, row_bytes = nb * BB;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * row_bytes;
+    __m256 acc[MR];
+    float s[MR] = {};
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wr + b * BB;
+      float d[2 * C], m[C];
+      block_header(T, blk, d, m);
+      for (int j = 0; j < C; ++j) {
+        const int64_t g = b * C + j;
+        __m128i lo, hi;
+        chunk_bytes(T, blk, j, lo, hi);
+        const __m256i q = _mm256_set_m128i(hi, lo);
+        const __m256i u = kSigned ? _mm256_sign_epi8(q, q) : q;
+        for (int r = 0; r < MR; ++r) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + g * QK));
+          if constexpr (kSigned) xv = _mm256_sign_epi8(xv, q);
+          const float sx = xd[r * nc + g];
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)), _mm256_set1_ps(d[2 * j] * sx), acc[r]);
+          if constexpr (kOffset) s[r] += m[j] * xs[r * nc + g];
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) acc_out[r * (n1 - n0) + (n - n0)] = hsum8(acc[r]) + s[r];
+  }
+}
+
+template <int T>
+void linear_group_q8(int64_t mr, const int8_t* xq, const float* xd, const float* xs, const uint8_t* w, int64_t n0,
+                     int64_t n1, int64_t K, float* acc) {
+  switch (mr) {
+    case 1: linear_rows_q8<T, 1>(xq, xd, xs, w, n0, n1, K, acc); break;
+    case 2: linear_rows_q8<T, 2>(xq, xd, xs, w, n0, n1, K, acc); break;
+    case 3: linear_rows_q8<T, 3>(xq, xd, xs, w, n0, n1, K, acc); break;
+    default: linear_rows_q8<T, 4>(xq, xd, xs, w, n0, n1, K, acc); break;
+  }
+}
+using group_q8_fn = void (*)(int64_t, const int8_t*, const float*, const float*, const uint8_t*, int64_t, int64_t,
+                             int64_t, float*);
+constexpr group_q8_fn kGroupsQ8[kTypes] = {linear_group_q8<0>, linear_group_q8<1>, linear_group_q8<2>,
+                                           linear_group_q8<3>, linear_group_q8<4>, linear_group_q8<5>,
+                                           linear_group_q8<6>, nullptr};
+#endif
+
 // The values of one block (32, or 256 for a K-quant), to fp32 or bf16 (round to nearest even), d * q + m
 // in one fused multiply-add per value.
 template <typename T>
@@ -447,6 +519,60 @@ int tidal_gguf_linear(const void* x, const void* w, int type, const void* bias, 
     }
   }
   return 0;
+}
+
+// As tidal_gguf_linear with the activations quantized per chunk of 32 to int8 (scale max |x| / 127, round
+// to nearest even) and integer dot products (VPDPBUSD on AVX-512 VNNI, VPMADDUBSW elsewhere): llama.cpp's
+// way, measured against the fp32 path by benchmarks/gguf_products.py; the engine does not call it.
+// Returns non-zero where it does not apply (no AVX2, Q6_K, M outside 1..kMaxRows).
+int tidal_gguf_linear_q8(const void* x, const void* w, int type, const void* bias, void* out, int64_t M, int64_t N,
+                         int64_t K, int dtype, int threads) {
+#if defined(__AVX2__)
+  if (M < 1 || M > kMaxRows || !valid_type(type) || kGroupsQ8[type] == nullptr || K % block_values(type) != 0 ||
+      (dtype != 0 && dtype != 1))
+    return 1;
+  const int64_t nc = K / QK;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nc), xs(M * nc);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t c = 0; c < nc; ++c) {
+      float amax = 0.f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(load_act(x, dtype, r * K + c * QK + j)));
+      const float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < QK; ++j) {
+        const int v = static_cast<int>(std::nearbyint(load_act(x, dtype, r * K + c * QK + j) * inv));
+        xq[r * K + c * QK + j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      xd[r * nc + c] = sc;
+      xs[r * nc + c] = sc * static_cast<float>(sum);
+    }
+  const uint8_t* wp = static_cast<const uint8_t*>(w);
+  const group_q8_fn group = kGroupsQ8[type];
+  constexpr int64_t kChunk = 64;
+  const int64_t chunks = (N + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
+    float acc[4 * kChunk];
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int64_t mr = M - r0 < 4 ? M - r0 : 4;
+      group(mr, xq.data() + r0 * K, xd.data() + r0 * nc, xs.data() + r0 * nc, wp, n0, n1, K, acc);
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t n = n0; n < n1; ++n) {
+          float v = acc[r * (n1 - n0) + (n - n0)];
+          if (bias) v += load_act(bias, dtype, n);
+          if (dtype == 0) static_cast<float*>(out)[(r0 + r) * N + n] = v;
+          else static_cast<uint16_t*>(out)[(r0 + r) * N + n] = float_to_bf16(v);
+        }
+    }
+  }
+  return 0;
+#else
+  (void)x; (void)w; (void)type; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)dtype; (void)threads;
+  return 1;
+#endif
 }
 
 // out[rows, K] (dtype 0 fp32, 1 bf16) = the values of rows of packed blocks.
