@@ -44,6 +44,9 @@ MODES = {  # label: (dtype, quantization, kv_cache_dtype, environment)
     "gguf": ("auto", "gguf", "auto", {}),
     "gguf avx2": ("auto", "gguf", "auto", {"TIDAL_CPU_ISA": "avx2"}),
     "dequantized avx2": ("auto", "none", "auto", {"TIDAL_CPU_ISA": "avx2"}),  # fp32 activations, bf16 weights
+    # the decode products on int8 activations (llama.cpp's way: gguf_kernels.gguf_linear_q8)
+    "gguf q8": ("auto", "gguf", "auto", {"TIDAL_GGUF_ACTIVATIONS": "q8"}),
+    "gguf q8 avx2": ("auto", "gguf", "auto", {"TIDAL_GGUF_ACTIVATIONS": "q8", "TIDAL_CPU_ISA": "avx2"}),
 }
 DEFAULT_MODES = "fp32,bf16,int8,w8a8,fp8,fp8 KV,gguf"
 
