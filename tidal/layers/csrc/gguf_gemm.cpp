@@ -24,6 +24,8 @@
 // tidal_gguf_linear: M 1..16 (decode steps): the packed weights stream from memory once, each chunk
 //   widened in registers and multiplied with up to four rows; further groups of four rows reread a
 //   chunk of 64 weight rows from cache; fp32 or bf16 activations and output.
+// tidal_gguf_linear_q8: as tidal_gguf_linear with the activations quantized to int8 per chunk of 32 and
+//   integer dot products (llama.cpp's way; TIDAL_GGUF_ACTIVATIONS=q8, measured in docs/quantization.md).
 // tidal_gguf_dequantize: rows of packed weights to fp32 or bf16 [rows, K] (prompt chunks and bigger
 //   batches dequantize the layer into a scratch buffer and run the dense GEMM; embedding lookups).
 #include <algorithm>
