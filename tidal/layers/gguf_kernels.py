@@ -189,9 +189,9 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 def gguf_linear_q8(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """The decode product with the activations quantized to int8 per chunk of 32 (scale max |x| / 127, round
     to nearest even) and integer dot products, as llama.cpp computes it: x [M, K] (1 to 16 rows, fp32 or
-    bf16, on the CPU) @ dequant(packed)^T (+ bias). An alternative measured against the fp32 path
-    (benchmarks/gguf_products.py); the engine runs gguf_linear. None where it does not apply (no AVX2 build,
-    Q6_K)."""
+    bf16, on the CPU) @ dequant(packed)^T (+ bias). The engine's decode products take it with
+    TIDAL_GGUF_ACTIVATIONS=q8 (`decode_kernel`); measured against the default in docs/quantization.md. None
+    where it does not apply (no AVX2 build, Q6_K)."""
     lib = gguf_lib() if x.device.type == "cpu" else None
     M, K = x.shape
     if lib is None or x.dtype not in _DTYPES or not 1 <= M <= 16 or (bias is not None and bias.dtype != x.dtype):

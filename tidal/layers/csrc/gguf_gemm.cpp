@@ -477,6 +477,32 @@ void make_rows(const void* wv, int type, int64_t n0, int64_t rows, int64_t K, T*
   }
 }
 
+// out[M, N] (+ bias) of dtype from the products of rows of x with chunks of 64 weight rows, the chunks
+// spread over the threads: group(r0, mr, n0, n1, acc) fills acc[mr, n1 - n0] for rows r0 .. r0 + mr (up to
+// four) of x. Rows of x go in groups of four: a chunk's packed weights (a few KB) come from memory for the
+// first group and from cache for the others.
+template <class Group>
+void decode_chunks(int64_t M, int64_t N, const void* bias, void* out, int dtype, int threads, const Group& group) {
+  constexpr int64_t kChunk = 64;  // output rows per task
+  const int64_t chunks = (N + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
+    float acc[4 * kChunk];
+    for (int64_t r0 = 0; r0 < M; r0 += 4) {
+      const int64_t mr = M - r0 < 4 ? M - r0 : 4;
+      group(r0, mr, n0, n1, acc);
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t n = n0; n < n1; ++n) {
+          float v = acc[r * (n1 - n0) + (n - n0)];
+          if (bias) v += load_act(bias, dtype, n);
+          if (dtype == 0) static_cast<float*>(out)[(r0 + r) * N + n] = v;
+          else static_cast<uint16_t*>(out)[(r0 + r) * N + n] = float_to_bf16(v);
+        }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -500,32 +526,15 @@ int tidal_gguf_linear(const void* x, const void* w, int type, const void* bias, 
     }
   const uint8_t* wp = static_cast<const uint8_t*>(w);
   const group_fn group = kGroups[type];
-  constexpr int64_t kChunk = 64;  // output rows per task
-  const int64_t chunks = (N + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
-    float acc[4 * kChunk];
-    // rows of x in groups of four: the chunk's packed weights (a few KB) come from memory for the first
-    // group and from cache for the others
-    for (int64_t r0 = 0; r0 < M; r0 += 4) {
-      const int64_t mr = M - r0 < 4 ? M - r0 : 4;
-      group(mr, xf.data() + r0 * K, xsum.data() + r0 * nc, wp, n0, n1, K, acc);
-      for (int64_t r = 0; r < mr; ++r)
-        for (int64_t n = n0; n < n1; ++n) {
-          float v = acc[r * (n1 - n0) + (n - n0)];
-          if (bias) v += load_act(bias, dtype, n);
-          if (dtype == 0) static_cast<float*>(out)[(r0 + r) * N + n] = v;
-          else static_cast<uint16_t*>(out)[(r0 + r) * N + n] = float_to_bf16(v);
-        }
-    }
-  }
+  decode_chunks(M, N, bias, out, dtype, threads, [&](int64_t r0, int64_t mr, int64_t n0, int64_t n1, float* acc) {
+    group(mr, xf.data() + r0 * K, xsum.data() + r0 * nc, wp, n0, n1, K, acc);
+  });
   return 0;
 }
 
 // As tidal_gguf_linear with the activations quantized per chunk of 32 to int8 (scale max |x| / 127, round
 // to nearest even) and integer dot products (VPDPBUSD on AVX-512 VNNI, VPMADDUBSW elsewhere): llama.cpp's
-// way, measured against the fp32 path by benchmarks/gguf_products.py; the engine does not call it.
+// way; the engine's decode products take it with TIDAL_GGUF_ACTIVATIONS=q8 (docs/quantization.md).
 // Returns non-zero where it does not apply (no AVX2, Q6_K, M outside 1..kMaxRows).
 int tidal_gguf_linear_q8(const void* x, const void* w, int type, const void* bias, void* out, int64_t M, int64_t N,
                          int64_t K, int dtype, int threads) {
@@ -552,24 +561,9 @@ int tidal_gguf_linear_q8(const void* x, const void* w, int type, const void* bia
     }
   const uint8_t* wp = static_cast<const uint8_t*>(w);
   const group_q8_fn group = kGroupsQ8[type];
-  constexpr int64_t kChunk = 64;
-  const int64_t chunks = (N + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * kChunk, n1 = n0 + kChunk < N ? n0 + kChunk : N;
-    float acc[4 * kChunk];
-    for (int64_t r0 = 0; r0 < M; r0 += 4) {
-      const int64_t mr = M - r0 < 4 ? M - r0 : 4;
-      group(mr, xq.data() + r0 * K, xd.data() + r0 * nc, xs.data() + r0 * nc, wp, n0, n1, K, acc);
-      for (int64_t r = 0; r < mr; ++r)
-        for (int64_t n = n0; n < n1; ++n) {
-          float v = acc[r * (n1 - n0) + (n - n0)];
-          if (bias) v += load_act(bias, dtype, n);
-          if (dtype == 0) static_cast<float*>(out)[(r0 + r) * N + n] = v;
-          else static_cast<uint16_t*>(out)[(r0 + r) * N + n] = float_to_bf16(v);
-        }
-    }
-  }
+  decode_chunks(M, N, bias, out, dtype, threads, [&](int64_t r0, int64_t mr, int64_t n0, int64_t n1, float* acc) {
+    group(mr, xq.data() + r0 * K, xd.data() + r0 * nc, xs.data() + r0 * nc, wp, n0, n1, K, acc);
+  });
   return 0;
 #else
   (void)x; (void)w; (void)type; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)dtype; (void)threads;
