@@ -133,6 +133,11 @@ class InputBatch:
     def prepare(self, reqs: list[ScheduledRequest]) -> StepInputs:
         """Flat inputs of `reqs` in batch order: decodes first, then chunks that continue a cached context,
         then chunks starting at position 0 (stable: scheduling order within each)."""
+        if len(reqs) == 1 and reqs[0].num_tokens == 1:  # one decode (a single stream): scalars, no gathers
+            return self._prepare_one_decode(reqs[0])
+        return self._prepare_batch(reqs)
+
+    def _prepare_batch(self, reqs: list[ScheduledRequest]) -> StepInputs:
         reqs = sorted(reqs, key=lambda r: (r.num_tokens > 1, r.start_pos == 0))
         B = len(reqs)
         held = self.requests
@@ -162,3 +167,17 @@ class InputBatch:
         return StepInputs(reqs, rows, T, num_decodes, query_start_loc, starts + q_lens, input_ids, pos_t, slots,
                           rows_t, self._block_table, bs, self._token_seq_lens[:T],
                           max(r.start_pos + r.num_tokens for r in reqs))
+
+    def _prepare_one_decode(self, r: ScheduledRequest) -> StepInputs:
+        """prepare() of a step that is one request's one token, with scalar writes: the same inputs."""
+        row, pos, bs = self.requests[r.request_id].row, r.start_pos, self.block_size
+        views = self._np
+        views["_input_ids"][0] = self.token_ids[row, pos]
+        views["_positions"][0] = pos
+        views["_token_rows"][0] = row
+        views["_token_seq_lens"][0] = pos + 1
+        views["_slot_mapping"][0] = self.block_table[row, pos // bs] * bs + pos % bs
+        return StepInputs([r], np.array([row], dtype=np.int64), 1, 1, self._arange[:2],
+                          np.array([pos + 1], dtype=np.int64), self._input_ids[:1], self._positions[:1],
+                          self._slot_mapping[:1], self._token_rows[:1], self._block_table, bs,
+                          self._token_seq_lens[:1], pos + 1)
