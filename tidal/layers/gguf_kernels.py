@@ -158,6 +158,12 @@ def dequantize(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     return out
 
 
+def streams(rows: int, dtype: torch.dtype, skinny: bool, invariant: bool) -> bool:
+    """Whether a product of `rows` rows of dtype activations takes the streaming decode kernel (else the
+    tiles), in a forward whose context allows the skinny kernels (skinny) and is batch-invariant or not."""
+    return 1 <= rows <= DECODE_MAX_ROWS[dtype] and skinny and not (invariant and dtype == torch.bfloat16)
+
+
 def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ dequant(packed)^T (+ bias) in x's dtype, for a packed weight [N, K / QK, block_bytes]."""
     shape = x.shape
@@ -165,8 +171,7 @@ def gguf_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     M, N = x2.shape[0], packed.shape[0]
     # prompt rows never take the decode kernel (as cpu_linear's skinny GEMM): a prompt's last few tokens
     # computed after a prefix-cache hit round exactly as when the whole prompt runs
-    if (x.device.type == "cpu" and x.dtype in _DTYPES and 1 <= M <= DECODE_MAX_ROWS[x.dtype] and skinny_gemm_allowed()
-            and not (batch_invariant() and x.dtype == torch.bfloat16)):
+    if x.device.type == "cpu" and x.dtype in _DTYPES and streams(M, x.dtype, skinny_gemm_allowed(), batch_invariant()):
         lib = gguf_lib()
         if lib is not None and (bias is None or bias.dtype == x.dtype):
             x2 = x2.contiguous()

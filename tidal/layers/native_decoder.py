@@ -25,6 +25,7 @@ import torch
 from tidal import forward_context
 from tidal.distributed import get_tp_size
 from tidal.layers import cpu_kernels, gguf_kernels, quant_kernels
+from tidal.layers.attention.backends import CPUNativeBackend
 from tidal.native import NativeLibrary, cpu_isa
 
 MAX_TOKENS = 16384  # tokens per forward (beyond, the Python layers: the driver's buffers are sized per call)
@@ -131,8 +132,7 @@ def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bo
             return None
         fmt = gguf_kernels.BLOCK_FORMATS[gguf_kernels.block_format(weight)][0]
         n, k = weight.shape[0], weight.shape[1] * gguf_kernels.block_values(weight.shape[-1])
-        if (1 <= rows <= gguf_kernels.DECODE_MAX_ROWS[x_dtype] and skinny
-                and not (invariant and x_dtype == torch.bfloat16)):
+        if gguf_kernels.streams(rows, x_dtype, skinny, invariant):
             return _linear(1, _addr(lib, gguf_kernels.decode_kernel(fmt)), weight, n, k, bias, fmt=fmt)
         gemm, rows_fn = cpu_kernels.gemm_lib(), lib.tidal_rows_fns.get(x_dtype)
         if gemm is None or rows_fn is None:
@@ -243,7 +243,6 @@ class NativeDecoder:
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stage's layers over hidden [T, H] (and the residual coming in): (hidden, residual) as the
         last layer returns them, or None where the Python layers must run."""
-        from tidal.layers.attention.backends import CPUNativeBackend
         ctx = forward_context._CONTEXT
         T = hidden.shape[0]
         if (ctx is None or type(ctx.attn_backend) is not CPUNativeBackend or not 1 <= T <= MAX_TOKENS
