@@ -19,6 +19,7 @@ import torch
 from tests.helpers import TEST_KV_CACHE_BYTES
 from tidal import LLM, SamplingParams
 from tidal.layers import gguf_kernels
+from tidal.layers.quantization.gguf import GGUFLinearMethod
 from tidal.native import isa_override, runnable_isas
 
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -147,6 +148,9 @@ def test_the_decode_kernel_switch(monkeypatch):
     monkeypatch.setenv("TIDAL_GGUF_ACTIVATIONS", "q8")
     assert gguf_kernels.decode_kernel(q4_1) == "tidal_gguf_linear_q8"
     assert gguf_kernels.decode_kernel(q6_k) == "tidal_gguf_linear"
+    monkeypatch.setenv("TIDAL_GGUF_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="TIDAL_GGUF_ACTIVATIONS='int4': expected 'float'"):
+        GGUFLinearMethod(torch.bfloat16)
 
 
 @pytest.mark.skipif("avx512_bf16" not in runnable_isas(), reason="the bf16 tile kernel needs AVX-512 BF16")

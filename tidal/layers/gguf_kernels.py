@@ -110,11 +110,20 @@ def dequantize_reference(packed: torch.Tensor, dtype: torch.dtype = torch.float3
     return w.reshape(*packed.shape[:-2], -1).to(dtype)
 
 
+def decode_activations() -> str:
+    """TIDAL_GGUF_ACTIVATIONS: "float" (the default: activations kept in fp32/bf16) or "q8" (quantized to
+    int8 per chunk of 32 for the decode products); any other value is refused."""
+    value = os.environ.get("TIDAL_GGUF_ACTIVATIONS", "float")
+    if value not in ("float", "q8"):
+        raise ValueError(f"TIDAL_GGUF_ACTIVATIONS={value!r}: expected 'float' (the default) or 'q8'")
+    return value
+
+
 def decode_kernel(code: int) -> str:
     """The decode product's kernel for block type `code`: tidal_gguf_linear (activations kept in fp32/bf16,
     the default), or with TIDAL_GGUF_ACTIVATIONS=q8 tidal_gguf_linear_q8 (int8 activations per chunk of 32,
-    integer dot products: llama.cpp's way, a measurement switch; not Q6_K)."""
-    if os.environ.get("TIDAL_GGUF_ACTIVATIONS", "float") == "q8" and code != BLOCK_FORMATS["Q6_K"][0]:
+    integer dot products: llama.cpp's way; not Q6_K)."""
+    if decode_activations() == "q8" and code != BLOCK_FORMATS["Q6_K"][0]:
         return "tidal_gguf_linear_q8"
     return "tidal_gguf_linear"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.layers.gguf_kernels import block_format, block_values, dequantize, gguf_linear
+from tidal.layers.gguf_kernels import block_format, block_values, decode_activations, dequantize, gguf_linear
 from tidal.layers.linear import UnquantizedLinearMethod, cpu_linear
 
 
@@ -31,6 +31,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     def __init__(self, weight_dtype: torch.dtype) -> None:
         self.weight_dtype = weight_dtype  # of BF16/F16/F32 tensors
+        decode_activations()  # a TIDAL_GGUF_ACTIVATIONS it does not know is refused as the model is built
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
         # a placeholder the checkpoint rows are routed through; replaced by the parts after loading
