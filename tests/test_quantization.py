@@ -174,6 +174,80 @@ def test_tp2_int8_matches_single_process_int8(models, monkeypatch):
     assert diff.mean() < 0.01 and diff.max() < 0.05, (diff.mean().item(), diff.max().item())
 
 
+# -- w8a8 smoothing (SmoothQuant) ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def outlier_model(tmp_path_factory, models):
+    """The tiny Llama with three hidden channels of every RMSNorm 40x larger: activation outliers, as real
+    models have them, which per-token int8 activations handle badly."""
+    path = str(tmp_path_factory.mktemp("q-outliers"))
+    shutil.copytree(models["llama"], path, dirs_exist_ok=True)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if name.endswith("layernorm.weight"):
+            t[torch.randperm(t.numel(), generator=g)[:3]] *= 40
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_w8a8_smoothing_takes_activation_outliers_into_the_weights(outlier_model, monkeypatch):
+    ref = _reference(outlier_model)
+    monkeypatch.setenv("TIDAL_W8A8_SMOOTHING", "0")
+    plain = (_prompt_logprobs(LLM(outlier_model, quantization="w8a8", **ENGINE), PROMPTS) - ref).abs()
+    monkeypatch.setenv("TIDAL_W8A8_SMOOTHING", "1")
+    llm = LLM(outlier_model, quantization="w8a8", **ENGINE)
+    smoothed = (_prompt_logprobs(llm, PROMPTS) - ref).abs()
+    assert smoothed.mean() < 0.7 * plain.mean(), (smoothed.mean().item(), plain.mean().item())
+    assert smoothed.max() < plain.max(), (smoothed.max().item(), plain.max().item())
+    # the divisions went into the norms: their outlier channels shrank
+    ckpt = load_file(os.path.join(outlier_model, "model.safetensors"))["model.layers.0.input_layernorm.weight"]
+    norm = llm.llm_engine.runner.model.model.layers[0].input_layernorm.weight
+    assert norm.abs().max() < 0.5 * ckpt.abs().max(), (norm.abs().max().item(), ckpt.abs().max().item())
+
+
+def test_w8a8_smoothing_folds_are_exact_in_float():
+    """What smoothing does to the weights leaves each product unchanged before quantization: the
+    producers' divisions (a norm, V rows, up rows) times the consumers' column factors give the same
+    outputs."""
+    from tidal.layers.quantization.smoothing import _expand_heads, smoothing_factors
+    torch.manual_seed(0)
+    hq, hk, d, hidden = 4, 2, 8, 16
+    x, gamma = torch.randn(5, hidden, dtype=torch.float64), torch.rand(hidden, dtype=torch.float64) + 0.5
+    wqkv = torch.randn((hq + 2 * hk) * d, hidden, dtype=torch.float64)
+    wo = torch.randn(hidden, hq * d, dtype=torch.float64)
+    act = torch.rand(hidden, dtype=torch.float64) * 10
+    s = smoothing_factors(act, wqkv.abs().amax(0))
+    assert torch.allclose((x * (gamma / s)) @ (wqkv * s).T, (x * gamma) @ wqkv.T)
+    # o's input: V rows divided per KV channel, o's columns multiplied per query-head channel
+    so = smoothing_factors(torch.rand(hq * d, dtype=torch.float64) + 0.1, wo.abs().amax(0), (hq, hk, d))
+    assert so.shape == (hk * d,)
+    v = (x * gamma) @ wqkv[(hq + hk) * d:].T  # [5, hk * d]
+    attn = v.view(5, hk, 1, d).expand(5, hk, hq // hk, d).reshape(5, hq * d)  # each query head reads its KV head
+    v_s = (x * gamma) @ (wqkv[(hq + hk) * d:] / so.unsqueeze(1)).T
+    attn_s = v_s.view(5, hk, 1, d).expand(5, hk, hq // hk, d).reshape(5, hq * d)
+    assert torch.allclose(attn_s @ (wo * _expand_heads(so, (hq, hk, d))).T, attn @ wo.T)
+    # a channel that never fires, or a zero weight column, keeps s = 1
+    act[3] = 0
+    assert smoothing_factors(act, wqkv.abs().amax(0))[3] == 1
+
+
+def test_tp2_w8a8_smooths_each_rank_and_stays_near_unquantized(outlier_model, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ref = _reference(outlier_model)
+    one = (_prompt_logprobs(LLM(outlier_model, quantization="w8a8", **ENGINE), PROMPTS) - ref).abs()
+    llm = LLM(outlier_model, quantization="w8a8", tensor_parallel_size=2, **ENGINE)
+    try:
+        two = (_prompt_logprobs(llm, PROMPTS) - ref).abs()
+    finally:
+        llm.llm_engine.shutdown()
+    monkeypatch.setenv("TIDAL_W8A8_SMOOTHING", "0")
+    plain = (_prompt_logprobs(LLM(outlier_model, quantization="w8a8", **ENGINE), PROMPTS) - ref).abs()
+    # each rank smooths its own shard from its own maxima: another rounding, about the same accuracy
+    assert two.mean() < 0.7 * plain.mean(), (two.mean().item(), plain.mean().item())
+    assert two.mean() < 1.3 * one.mean() and two.max() < 1.5 * one.max(), (two.mean().item(), one.mean().item(),
+                                                                          two.max().item(), one.max().item())
+
+
 # -- checkpoints already in FP8 (Hugging Face layout) ----------------------------------------------------
 def _write_fp8_checkpoint(src: str, dst: str, per_tensor: bool) -> None:
     """The tiny model's linear weights as E4M3 + weight_scale (per tensor or per output channel), config

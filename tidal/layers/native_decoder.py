@@ -13,9 +13,12 @@ whose kernel the driver can call (`_resolve`). Per forward, `forward` runs under
 attention backend (decodes and prompt chunks alike); anything else returns None and the Python layers
 run.
 TIDAL_NATIVE_DECODER=0 turns it off (an A/B switch for benchmarks: both paths give the same bits).
+`suspended()` sends forwards to the Python layers for a while (module hooks, such as the w8a8 smoothing's
+activation observers, run only there).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from ctypes import POINTER, Structure, c_float, c_int32, c_int64, c_void_p
@@ -30,6 +33,17 @@ from tidal.native import NativeLibrary, cpu_isa
 
 MAX_TOKENS = 16384  # tokens per forward (beyond, the Python layers: the driver's buffers are sized per call)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_SUSPENDED = [0]  # > 0: every forward runs the Python layers
+
+
+@contextlib.contextmanager
+def suspended():
+    """Forwards run through the Python layers (and their module hooks) inside this block."""
+    _SUSPENDED[0] += 1
+    try:
+        yield
+    finally:
+        _SUSPENDED[0] -= 1
 
 
 class _Linear(Structure):
@@ -245,7 +259,7 @@ class NativeDecoder:
         last layer returns them, or None where the Python layers must run."""
         ctx = forward_context._CONTEXT
         T = hidden.shape[0]
-        if (ctx is None or type(ctx.attn_backend) is not CPUNativeBackend or not 1 <= T <= MAX_TOKENS
+        if (ctx is None or _SUSPENDED[0] or type(ctx.attn_backend) is not CPUNativeBackend or not 1 <= T <= MAX_TOKENS
                 or hidden.dtype != self.dtype or hidden.dim() != 2 or positions.dtype != torch.int64
                 or (residual is not None and residual.shape != hidden.shape)):
             return None

@@ -12,7 +12,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +98,7 @@ class LoadedModel:
     dtype: torch.dtype         # activations and KV cache
     weight_dtype: torch.dtype  # linear layers and embeddings (bf16 under fp32 activations on CPUs without bf16)
     quantization: str | None = None  # the scheme the weights are stored in
+    reread: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None  # the checkpoint's tensors again
 
 
 def load_config(path: str):
@@ -338,20 +339,23 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     quant = get_quantization_config(quantization, config, weight_dtype, torch_dtype)
     with torch.device(device):  # parameters, rotary tables and the like are born on the device
         net = model_cls(config, dtype=torch_dtype, quant=quant) if quant else model_cls(config, dtype=torch_dtype)
+    def checkpoint_weights():
+        weights = iterate_safetensors(path, torch_dtype)
+        if "num_hidden_layers" in (config_overrides or {}):  # fewer layers: the checkpoint's first
+            weights = ((n, t) for n, t in weights
+                       if not n.startswith("model.layers.") or int(n.split(".")[2]) < config.num_hidden_layers)
+        return weights
+
+    reread = None
     if dummy:
-        weights = None
         init_dummy_weights(net)
     elif quant is not None and quant.name == "gguf":
         reader = gguf_loader.open_gguf(gguf_file)
         _pack_gguf_tables(net, config, gguf_loader.packed_embedding_formats(reader))
-        weights = gguf_loader.iterate_gguf_weights(reader, config, torch_dtype, keep_quantized=True)
+        net.load_weights(gguf_loader.iterate_gguf_weights(reader, config, torch_dtype, keep_quantized=True))
     else:
-        weights = iterate_safetensors(path, torch_dtype)
-    if "num_hidden_layers" in (config_overrides or {}) and not dummy:  # fewer layers: the checkpoint's first
-        weights = ((n, t) for n, t in weights
-                   if not n.startswith("model.layers.") or int(n.split(".")[2]) < config.num_hidden_layers)
-    if weights is not None:
-        net.load_weights(weights)
+        net.load_weights(checkpoint_weights())
+        reread = checkpoint_weights
     net.eval()
     if quant is not None and quant.embedding_format is not None:
         quantize_embeddings(net, quant.embedding_format)
@@ -371,4 +375,4 @@ def load_model(model: str | None, dtype: str | torch.dtype = "auto", config_over
     logger.info("Loaded %s (%s) in %s%s on %s: %.1f MB of weights", name, type(net).__name__, torch_dtype,
                 weights_note, torch.device(device), weight_bytes / 1e6)
     return LoadedModel(net, config, tokenizer, path, name, weight_bytes, torch_dtype, weight_dtype,
-                       quant.name if quant is not None else None)
+                       quant.name if quant is not None else None, reread)

@@ -27,25 +27,48 @@ def load_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             continue
         if load_kv_scale(model, name, tensor):  # per-layer KV-cache scales, where the checkpoint has them
             continue
-        for fused, part, shard in stacked_params:
-            if f".{part}." in name:
-                target = name.replace(f".{part}.", f".{fused}.")
-                if target in params:
-                    params[target].weight_loader(params[target], tensor, shard)
-                    loaded.add(target)
-                    break
-        else:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-            param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
+        target, shard = _route(name, params, stacked_params)
+        if target is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        _load_one(params[target], tensor, shard)
+        loaded.add(target)
     missing = {n for n, p in params.items()
                if n not in loaded and not getattr(p, "computed_at_load", False)  # scales of weights quantized at load
                and not any(n.endswith(s) for s in skip)}
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
     return loaded
+
+
+def _route(name: str, params: dict, stacked_params) -> tuple[str | None, object]:
+    """(the parameter a checkpoint tensor loads into, its shard id), or (None, None)."""
+    for fused, part, shard in stacked_params:
+        if f".{part}." in name:
+            target = name.replace(f".{part}.", f".{fused}.")
+            if target in params:
+                return target, shard
+    return (name, None) if name in params else (None, None)
+
+
+def _load_one(param, tensor: torch.Tensor, shard) -> None:
+    if shard is None:
+        getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+    else:
+        param.weight_loader(param, tensor, shard)
+
+
+def reload_stacked_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                           stacked_params, only: Callable[[nn.Parameter], bool]) -> int:
+    """Load again, routed as load_stacked_weights routes them, the checkpoint tensors whose parameter
+    `only` accepts (the others are read and dropped); returns how many were loaded."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    count = 0
+    for name, tensor in weights:
+        target, shard = _route(name, params, stacked_params)
+        if target is not None and only(params[target]):
+            _load_one(params[target], tensor, shard)
+            count += 1
+    return count
 
 
 # -- pipeline stages ------------------------------------------------------------------------------------

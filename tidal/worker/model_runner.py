@@ -111,7 +111,8 @@ class ModelRunner:
         self.attn_backend = self.platform.attention_backend()
         # rows enough for the requests of a step and for the profiling forward's sequences
         rows = max(max_num_seqs, -(-max_num_batched_tokens // max_model_len))
-        self.input_batch = InputBatch(rows, max_model_len, max(max_num_batched_tokens, max_num_seqs), block_size)
+        self.max_model_len, self.max_num_batched_tokens = max_model_len, max(max_num_batched_tokens, max_num_seqs)
+        self.input_batch = InputBatch(rows, max_model_len, self.max_num_batched_tokens, block_size)
         # (a model on the meta device - shapes only, for sizing estimates - samples nothing)
         gen_device = "cpu" if self.device.type == "meta" else self.device
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
@@ -129,6 +130,9 @@ class ModelRunner:
                      max_num_batched_tokens=config.max_num_batched_tokens)
         runner.batch_invariant = config.batch_invariant
         runner.log_kv_scales()
+        if loaded.quantization == "w8a8":
+            from tidal.layers.quantization.smoothing import smooth_w8a8
+            smooth_w8a8(runner, loaded)
         return runner
 
     # -- KV cache --------------------------------------------------------------------------------
@@ -171,15 +175,35 @@ class ModelRunner:
         """A forward over num_tokens prompt tokens (fresh sequences of at most max_model_len) with a
         throwaway KV cache and state, then the logits and a top-k/top-p draw for num_seqs rows: the
         memory the largest step needs beside the cache. Leaves no cache bound."""
-        bs = self.block_size
         lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
+        with self._throwaway_forward([[0] * n for n in lens], "profile") as hidden:
+            if compute_logits:
+                rows = self._on_device(list(range(min(num_seqs, num_tokens))))
+                logits = self._compute_logits(hidden[rows])
+                draw = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+                Sampler(torch.Generator(self.device).manual_seed(0))(
+                    logits, SamplingMetadata.from_params([draw] * len(rows), self.device, logits.shape[-1]))
+
+    @torch.inference_mode()
+    def calibration_forward(self, token_ids: list[int]) -> None:
+        """One forward of token_ids as a fresh prompt with a throwaway KV cache and state (the w8a8
+        smoothing's observers watch it). At most max_model_len and max_num_batched_tokens tokens."""
+        with self._throwaway_forward([list(token_ids)], "calibration"):
+            pass
+
+    @contextlib.contextmanager
+    def _throwaway_forward(self, prompts: list[list[int]], name: str):
+        """A forward over fresh prompts in one step, with a KV cache (and Mamba state) made for them and
+        dropped after the block, which gets the hidden states."""
+        bs = self.block_size
+        lens = [len(p) for p in prompts]
         blocks = [-(-n // bs) for n in lens]
         first_block = [sum(blocks[:i]) for i in range(len(lens))]
         self.allocate_kv_cache(max(1, sum(blocks)))
         if self.mamba_layers:
             self.allocate_state(len(lens))
         params = SamplingParams(max_tokens=1)
-        reqs = [ScheduledRequest(f"profile-{i}", n, 0, False, n, new_token_ids=[0] * n,
+        reqs = [ScheduledRequest(f"{name}-{i}", n, 0, False, n, new_token_ids=prompts[i],
                                  new_block_ids=list(range(first_block[i], first_block[i] + blocks[i])),
                                  new=NewRequestData(params, n, i if self.mamba_layers else None))
                 for i, n in enumerate(lens)]
@@ -188,12 +212,7 @@ class ModelRunner:
             step = self.input_batch.prepare(reqs)
             with set_forward_context(self._forward_context(step)):
                 hidden = self.model(*self._model_inputs(step))
-            if compute_logits:
-                rows = self._on_device(list(range(min(num_seqs, num_tokens))))
-                logits = self._compute_logits(hidden[rows])
-                draw = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
-                Sampler(torch.Generator(self.device).manual_seed(0))(
-                    logits, SamplingMetadata.from_params([draw] * len(rows), self.device, logits.shape[-1]))
+            yield hidden
         finally:
             for r in reqs:
                 self.input_batch.drop(r.request_id)

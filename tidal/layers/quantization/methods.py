@@ -110,9 +110,19 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 class W8A8LinearMethod(Int8LinearMethod):
     """int8 weights and int8 activations (dynamic, per token), int32 accumulation."""
 
+    def load_weight(self, layer: nn.Module, row_offset: int, loaded: torch.Tensor) -> None:
+        smoothing = getattr(layer, "input_smoothing", None)  # SmoothQuant's column factors (smoothing.py)
+        if smoothing is not None and loaded.dtype != self.weight_dtype:
+            loaded = loaded.float() * smoothing
+        super().load_weight(layer, row_offset, loaded)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # the VNNI kernel multiplies unsigned activations (x + 128): it subtracts 128 * each row's sum
-        layer.register_buffer("weight_row_sums", layer.weight.sum(dim=1, dtype=torch.int32), persistent=False)
+        sums = layer.weight.sum(dim=1, dtype=torch.int32)
+        if isinstance(getattr(layer, "weight_row_sums", None), torch.Tensor):  # again, after smoothing: in place
+            layer.weight_row_sums.copy_(sums)
+        else:
+            layer.register_buffer("weight_row_sums", sums, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_linear(x, layer.weight, layer.weight_scale, bias, layer.weight_row_sums)
