@@ -59,8 +59,31 @@ def test_w8a16_matches_the_fp32_product(kind, rows, dtype, n, k):
     x, scale, bias = _inputs(rows, n, k, dtype)
     native_fn = qk.int8_linear if kind == torch.int8 else qk.fp8_linear
     reference_fn = qk.int8_linear_reference if kind == torch.int8 else qk.fp8_linear_reference
-    for b in (bias, None):
-        _assert_fp32_product_close(native_fn(x, wq, scale, b), reference_fn(x, wq, scale, b), x, wq, scale, b)
+    for b in (bias, None):  # (tiles=False: the exact W8A16 path at every row count)
+        _assert_fp32_product_close(native_fn(x, wq, scale, b, tiles=False), reference_fn(x, wq, scale, b),
+                                   x, wq, scale, b)
+
+
+@pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn])
+def test_w8a16_bf16_batches_are_the_dense_bf16_kernel_on_the_rounded_weight(kind, isa):
+    """bf16 calls of 12 rows or more run the bf16 GEMM over rows bf16(w * scale) made as it reaches them:
+    bitwise the dense bf16 kernel's result on that weight (AVX-512 BF16; the exact path elsewhere, and
+    below 12 rows, and with tiles off)."""
+    from tidal.layers.cpu_kernels import bf16_linear
+    n, k = 203, 576
+    wq = _weights(n, k, kind)
+    x, scale, bias = _inputs(40, n, k, torch.bfloat16)
+    fn = qk.int8_linear if kind == torch.int8 else qk.fp8_linear
+    rounded = (wq.float() * scale.unsqueeze(1)).to(torch.bfloat16)
+    for rows in (12, 13, 40):
+        got = fn(x[:rows], wq, scale, bias)
+        exact = fn(x[:rows], wq, scale, bias, tiles=False)
+        if isa == "avx512_bf16":
+            assert torch.equal(got, bf16_linear(x[:rows], rounded, bias)), rows
+            assert not torch.equal(got, exact)  # the tiles really ran
+        else:
+            assert torch.equal(got, exact), (isa, rows)
+    assert torch.equal(fn(x[:11], wq, scale, bias), fn(x[:11], wq, scale, bias, tiles=False))
 
 
 @pytest.mark.parametrize("kind", [torch.int8, torch.float8_e4m3fn])
@@ -72,10 +95,10 @@ def test_w8a16_rows_do_not_depend_on_the_batch(kind, dtype):
     wq = _weights(n, k, kind)
     x, scale, bias = _inputs(90, n, k, dtype)
     fn = qk.int8_linear if kind == torch.int8 else qk.fp8_linear
-    full = fn(x, wq, scale, bias)
+    full = fn(x, wq, scale, bias, tiles=False)  # (as batch-invariant mode calls it)
     for part in (slice(0, 1), slice(7, 8), slice(10, 13), slice(20, 24), slice(30, 35), slice(40, 49), slice(3, 60),
                  slice(89, 90)):
-        assert torch.equal(fn(x[part], wq, scale, bias), full[part]), part
+        assert torch.equal(fn(x[part], wq, scale, bias, tiles=False), full[part]), part
 
 
 def test_fp8_widens_every_encoding_exactly():

@@ -167,7 +167,8 @@ def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bo
         wkind = {torch.int8: 0, torch.float8_e4m3fn: 1}.get(weight.dtype)
         if wkind is None:
             return None
-        return _linear(3, _addr(lib, "tidal_w8a16_linear"), weight, n, k, bias, fmt=wkind, aux=scale)
+        fmt = wkind | (0 if invariant else quant_kernels.W8A16_TILES)  # as weight_only_linear asks
+        return _linear(3, _addr(lib, "tidal_w8a16_linear"), weight, n, k, bias, fmt=fmt, aux=scale)
     return None
 
 

@@ -44,6 +44,12 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.tidal_w8a8_linear.argtypes = [p, i32, p, p, p, p, p, i64, i64, i64, i32]
     lib.tidal_int8_dot_kind.restype = i32
     lib.tidal_int8_dot_kind.argtypes = []
+    lib.tidal_w8a16_set_bf16_rows_gemm.restype = None
+    lib.tidal_w8a16_set_bf16_rows_gemm.argtypes = [p]
+    from tidal.layers import cpu_kernels  # the bf16 GEMM that W8A16's bf16 batches run over rounded rows
+    gemm = cpu_kernels.gemm_lib()
+    if gemm is not None:
+        lib.tidal_w8a16_set_bf16_rows_gemm(ctypes.cast(gemm.tidal_gemm_bf16_rows, p).value)
 
 
 # -ffp-contract=off: the epilogues' a * b + c must round twice in every path (vector or scalar), as the
@@ -105,12 +111,18 @@ def _linear(kernel: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tenso
     return out if x.dim() == 2 else out.view(*x.shape[:-1], N)
 
 
+W8A16_TILES = 2  # the kernels' w_kind flag: bf16 batches may take the bf16 GEMM (see int8_linear)
+
+
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+                bias: torch.Tensor | None = None, tiles: bool = True) -> torch.Tensor | None:
     """W8A16: (x @ wq^T) * w_scale + bias in fp32, returned in x's dtype.
 
     x [..., K] fp32 or bf16; wq [N, K] int8 (symmetric per output channel); w_scale [N] fp32; bias [N]
-    of x's dtype or None. The weights are widened in registers (no dequantized copy). None when the
+    of x's dtype or None. The weights are widened in registers (no dequantized copy). With `tiles`, bf16
+    x of 12 rows or more on AVX-512 BF16 runs the bf16 GEMM (VDPBF16PS) over weight rows made as it reaches
+    them, bf16(wq * w_scale): what a bf16 model computes on the quantize-dequantize round trip of the
+    weight; off in batch-invariant mode (a row's result would depend on the rows beside it). None when the
     native kernel does not apply (then use int8_linear_reference).
 
         >>> w = torch.randint(-127, 128, (960, 576), dtype=torch.int8)
@@ -119,15 +131,15 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     """
     if wq.dtype != torch.int8:
         return None
-    return _linear("tidal_w8a16_linear", x, wq, w_scale, bias, 0)
+    return _linear("tidal_w8a16_linear", x, wq, w_scale, bias, W8A16_TILES if tiles else 0)
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+               bias: torch.Tensor | None = None, tiles: bool = True) -> torch.Tensor | None:
     """int8_linear with wq [N, K] torch.float8_e4m3fn (NaN encodings not expected), widened in registers."""
     if wq.dtype != torch.float8_e4m3fn:
         return None
-    return _linear("tidal_w8a16_linear", x, wq, w_scale, bias, 1)
+    return _linear("tidal_w8a16_linear", x, wq, w_scale, bias, 1 | (W8A16_TILES if tiles else 0))
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

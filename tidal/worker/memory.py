@@ -7,6 +7,7 @@ the largest step. `kv_cache_memory_bytes`, when given, overrides both.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,17 @@ class KVCachePlan:
     @property
     def num_bytes(self) -> int:
         return self.num_tokens * self.bytes_per_token
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere): loading a
+    checkpoint frees hundreds of MB of conversion buffers that the heap would otherwise keep, counted in
+    the process's resident memory (default model, w8a8: 809 MiB before, 474 after)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def cache_budget_bytes(budget_bytes: int | None) -> int:

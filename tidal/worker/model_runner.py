@@ -37,7 +37,7 @@ from tidal.layers.sampler import PromptTokenLogprobs, Sampler, SamplingMetadata,
 from tidal.platforms import get_platform
 from tidal.sampling_params import SamplingParams
 from tidal.worker.input_batch import InputBatch, StepInputs
-from tidal.worker.memory import cache_budget_bytes, cuda_cache_budget_bytes
+from tidal.worker.memory import cache_budget_bytes, cuda_cache_budget_bytes, release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class ModelRunner:
         if loaded.quantization == "w8a8":
             from tidal.layers.quantization.smoothing import smooth_w8a8
             smooth_w8a8(runner, loaded)
+        release_free_heap()
         return runner
 
     # -- KV cache --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ namespace {
 struct Linear {
   int32_t kind;     // 0 gemm-style fn(x, w, bias, out, M, N, K, threads); 1 tidal_gguf_linear; 2 rows kernel;
                     // 3 tidal_w8a16_linear; 4 tidal_w8a8_linear
-  int32_t fmt;      // GGUF block type (kinds 1, 2); weight type (kind 3: 0 int8, 1 E4M3); for kind 0,
+  int32_t fmt;      // GGUF block type (kinds 1, 2); weight type (kind 3: 0 int8, 1 E4M3, | 2 bf16 tiles); for kind 0,
                     // 1: the kernel returns nothing
   const void* fn;
   const void* w;

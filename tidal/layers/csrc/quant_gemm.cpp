@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -363,10 +364,51 @@ void blocked_w8a16(const float* x, const typename Src::T* w, const F32Epilogue& 
 }
 #endif
 
-// x [M, K] (dtype kF32 or kBF16)
+// Batches and prompts of bf16 rows, outside batch-invariant mode: gemm.cpp's bf16 GEMM (VDPBF16PS, twice
+// the multiplies per instruction of the fp32 FMAs above) over weight rows made as it reaches them, each
+// value bf16(w * scale) - what a bf16 model holds after a quantize-dequantize round trip of its weights.
+// The GEMM (tidal_gemm_bf16_rows, AVX-512 BF16 builds) is handed over by the Python side once both
+// libraries are loaded; where it is missing or declines, the fp32 path runs.
+using bf16_rows_gemm_fn = int (*)(const void* x, const void* w, void* fn, int format, const void* bias, void* out,
+                                  int64_t M, int64_t N, int64_t K, int num_threads);
+bf16_rows_gemm_fn g_bf16_rows_gemm = nullptr;
+// From this many rows: on one layer's four products of SmolLM2 (Zen 5, 2 threads) the tiles take 1.29x the
+// skinny passes' time at 8 rows, 0.90x at 12, 0.69x at 16, 0.47x at 32, 0.33x at 128
+constexpr int64_t kW8A16TileMinRows = 12;
+
+struct ScaledRows {  // the `w` a row maker gets: the 8-bit weight and its per-row scales
+  const void* w;
+  const float* scale;
+};
+
+// rows [n0, n0 + rows) of the weight as bf16(value * scale[row]) into out [rows, K]
+template <class Src>
+void scaled_rows_bf16(const void* wv, int /*format*/, int64_t n0, int64_t rows, int64_t K, void* out) {
+  const ScaledRows& src = *static_cast<const ScaledRows*>(wv);
+  const float post = std::is_same_v<Src, Fp8W> ? 256.f : 1.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const typename Src::T* w = static_cast<const typename Src::T*>(src.w) + (n0 + r) * K;
+    uint16_t* o = static_cast<uint16_t*>(out) + r * K;
+    const float f = src.scale[n0 + r] * post;
+    int64_t k = 0;
+#if defined(TIDAL_VEC)
+    const simd::vf vs = simd::set1(f);
+    for (; k + simd::W <= K; k += simd::W) simd::store_bf16(o + k, simd::mul(Src::vec(w + k), vs));
+#endif
+    for (; k < K; ++k) o[k] = float_to_bf16(Src::one(w + k) * f);
+  }
+}
+
+// x [M, K] (dtype kF32 or kBF16); tiles: bf16 rows beyond kW8A16TileMinRows may take the bf16 GEMM
 template <class Src>
 void w8a16(const void* x, int dtype, const typename Src::T* w, const F32Epilogue& epi, int64_t M, int64_t N,
-           int64_t K, int num_threads) {
+           int64_t K, int num_threads, bool tiles) {
+  if (tiles && dtype == kBF16 && M >= kW8A16TileMinRows && g_bf16_rows_gemm != nullptr) {
+    const ScaledRows src{w, epi.w_scale};
+    if (g_bf16_rows_gemm(x, &src, reinterpret_cast<void*>(&scaled_rows_bf16<Src>), 0, epi.bias, epi.out, M, N, K,
+                         num_threads) == 0)
+      return;
+  }
 #if defined(TIDAL_VEC)
   if (M > kW8A16SkinnyMaxRows) {
     // chunks of rows whose activations stay in L2 while every weight block passes over them
@@ -833,16 +875,23 @@ const int32_t* row_sums_for(const int8_t* w, const int32_t* given, int64_t N, in
 
 extern "C" {
 // x [M, K] (x_dtype 0: fp32, 1: bf16), w [N, K] int8 (w_kind 0) or fp8 E4M3 (w_kind 1), w_scale [N]
-// fp32, bias [N] of x's dtype or null, out [M, N] of x's dtype; all contiguous. Returns 0, or -1 for
-// arguments it does not handle.
+// fp32, bias [N] of x's dtype or null, out [M, N] of x's dtype; all contiguous. w_kind | kW8A16Tiles:
+// bf16 batches may take the bf16 GEMM over rounded rows (above; not batch-invariant, so the caller leaves
+// it off in that mode). Returns 0, or -1 for arguments it does not handle.
+constexpr int kW8A16Tiles = 2;
 int tidal_w8a16_linear(const void* x, int x_dtype, const void* w, int w_kind, const float* w_scale, const void* bias,
                        void* out, int64_t M, int64_t N, int64_t K, int num_threads) {
+  const bool tiles = w_kind & kW8A16Tiles;
+  w_kind &= ~kW8A16Tiles;
   if (M < 1 || (x_dtype != kF32 && x_dtype != kBF16) || (w_kind != 0 && w_kind != 1)) return -1;
   const F32Epilogue epi{w_scale, w_kind == 1 ? 256.f : 1.f, bias, out, x_dtype, N};
-  if (w_kind == 0) w8a16<Int8W>(x, x_dtype, static_cast<const int8_t*>(w), epi, M, N, K, num_threads);
-  else w8a16<Fp8W>(x, x_dtype, static_cast<const uint8_t*>(w), epi, M, N, K, num_threads);
+  if (w_kind == 0) w8a16<Int8W>(x, x_dtype, static_cast<const int8_t*>(w), epi, M, N, K, num_threads, tiles);
+  else w8a16<Fp8W>(x, x_dtype, static_cast<const uint8_t*>(w), epi, M, N, K, num_threads, tiles);
   return 0;
 }
+
+// gemm.cpp's tidal_gemm_bf16_rows, for the bf16 batches of tidal_w8a16_linear (null: none)
+void tidal_w8a16_set_bf16_rows_gemm(void* fn) { g_bf16_rows_gemm = reinterpret_cast<bf16_rows_gemm_fn>(fn); }
 
 // x [M, K] fp32 or bf16 -> xq [M, K] int8, scale [M] fp32 (see quantize_row). Returns 0 or -1.
 int tidal_quantize_rows_int8(const void* x, int x_dtype, void* xq, float* scale, int64_t M, int64_t K,

@@ -45,7 +45,7 @@ def weight_only_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
     """x [..., K] @ (wq * scale)^T + bias in x's dtype, for int8 or E4M3 weights wq [N, K]."""
     if x.device.type == "cpu":
         kernel = quant_kernels.int8_linear if wq.dtype == torch.int8 else quant_kernels.fp8_linear
-        out = kernel(x, wq, scale, bias)
+        out = kernel(x, wq, scale, bias, tiles=not batch_invariant())
         return out if out is not None else quant_kernels.int8_linear_reference(x, wq, scale, bias)
     # GPU: widen the weight for the product (int8 and E4M3 values are exact in bf16/fp16/fp32)
     out = F.linear(x, wq.to(x.dtype)) * scale.to(x.dtype)
