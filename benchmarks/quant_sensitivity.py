@@ -5,10 +5,14 @@ of the model treated differently (docs/quantization.md, "What bounds them").
     python benchmarks/quant_sensitivity.py --quantization fp8 --table fp8               # embedding table in E4M3
     python benchmarks/quant_sensitivity.py --quantization fp8 --table none              # ... left in the model dtype
     python benchmarks/quant_sensitivity.py --kv-cache-dtype fp8 --kv-scales 0.1 0.01    # every layer's K/V scales
+    python benchmarks/quant_sensitivity.py --kv-cache-dtype fp8 --kv-scales-calibrated 1  # per layer, measured
 
 --weight-only REGEX: linear layers whose module name matches run weight-only (W8A16) on the int8 weights
 of a w8a8 model. --table: the dtype the embedding / LM-head table is stored in (int8 rows by default).
---kv-scales K V: every attention layer's FP8 KV-cache scales. Prints one line starting with "RESULT ".
+--kv-scales K V: every attention layer's FP8 KV-cache scales. --kv-scales-calibrated MARGIN: each layer's
+scales from the largest |K| and |V| it writes for Tidal's calibration text (tidal/layers/quantization/
+calibration.txt) in a bf16 cache, times MARGIN / 448 (the largest E4M3 value). Prints one line starting
+with "RESULT ".
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ def main() -> None:
     ap.add_argument("--weight-only", default=None, help="regex of linear module names run W8A16 (w8a8 only)")
     ap.add_argument("--table", choices=["int8", "fp8", "none"], default=None)
     ap.add_argument("--kv-scales", type=float, nargs=2, default=None, metavar=("K", "V"))
+    ap.add_argument("--kv-scales-calibrated", type=float, default=None, metavar="MARGIN")
     args = ap.parse_args()
 
     import torch
@@ -39,6 +44,9 @@ def main() -> None:
     if args.table is not None:
         fmt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "none": None}[args.table]
         base.QuantizationConfig.embedding_format = property(lambda self: fmt)
+    calibrated = None
+    if args.kv_scales_calibrated is not None:
+        calibrated = kv_absmax(args.quantization)
     llm = LLM(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, max_model_len=1025)
     runner = llm.llm_engine.runner
     changed = 0
@@ -55,10 +63,30 @@ def main() -> None:
     if args.kv_scales:
         for layer in runner.attn_layers:
             layer.k_scale, layer.v_scale = args.kv_scales
+    if calibrated is not None:
+        for layer, (k, v) in zip(runner.attn_layers, calibrated, strict=True):
+            layer.k_scale, layer.v_scale = k * args.kv_scales_calibrated / 448, v * args.kv_scales_calibrated / 448
     ids = llm.get_tokenizer()(DEFAULT_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     result = perplexity(llm, list(ids), 1024, 512)
     print("RESULT " + json.dumps({**vars(args), "layers_changed": changed, "perplexity": round(result["perplexity"], 4),
                                   "seconds": result["seconds"]}))
+
+
+def kv_absmax(quantization) -> list[tuple[float, float]]:
+    """(max |K|, max |V|) per attention layer over the calibration text, in a bf16 cache."""
+    import gc
+
+    from tidal import LLM, SamplingParams
+    from tidal.layers.quantization.smoothing import calibration_tokens
+    llm = LLM(quantization=quantization, max_model_len=1025)
+    runner = llm.llm_engine.runner
+    ids = calibration_tokens(llm.get_tokenizer(), None, 1024)
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    out = [(a.kv_cache[0].float().abs().max().item(), a.kv_cache[1].float().abs().max().item())
+           for a in runner.attn_layers]
+    del llm, runner
+    gc.collect()
+    return out
 
 
 if __name__ == "__main__":
