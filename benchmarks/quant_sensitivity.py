@@ -4,9 +4,10 @@ of the model treated differently (docs/quantization.md, "What bounds them").
     python benchmarks/quant_sensitivity.py --quantization w8a8 --weight-only qkv_proj   # that projection W8A16
     python benchmarks/quant_sensitivity.py --quantization fp8 --table fp8               # embedding table in E4M3
     python benchmarks/quant_sensitivity.py --quantization fp8 --table none              # ... left in the model dtype
-    python benchmarks/quant_sensitivity.py --kv-cache-dtype fp8 --kv-scales 0.1 0.01    # every layer's K/V scales
-    python benchmarks/quant_sensitivity.py --kv-cache-dtype fp8 --kv-scales-calibrated 1  # per layer, measured
+    python benchmarks/quant_sensitivity.py --quantization none --kv-cache-dtype fp8 --kv-scales 0.1 0.01
+    python benchmarks/quant_sensitivity.py --quantization none --kv-cache-dtype fp8 --kv-scales-calibrated 1
 
+(--quantization none: the default model's weights dequantized to bf16, as the README's fp8 KV row.)
 --weight-only REGEX: linear layers whose module name matches run weight-only (W8A16) on the int8 weights
 of a w8a8 model. --table: the dtype the embedding / LM-head table is stored in (int8 rows by default).
 --kv-scales K V: every attention layer's FP8 KV-cache scales. --kv-scales-calibrated MARGIN: each layer's

@@ -176,7 +176,8 @@ def smooth_w8a8(runner, loaded) -> int:
         g.consumer.input_smoothing = _expand_heads(s, g.heads) if g.heads else s
     consumers = {id(g.consumer.weight) for g in groups}
     try:
-        reload_stacked_weights(model, loaded.reread(), model.stacked_params, lambda p: id(p) in consumers)
+        reload_stacked_weights(model, loaded.reread(), getattr(model, "stacked_params", ()),
+                               lambda p: id(p) in consumers)
     finally:
         for g in groups:
             del g.consumer.input_smoothing
