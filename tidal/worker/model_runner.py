@@ -111,8 +111,8 @@ class ModelRunner:
         self.attn_backend = self.platform.attention_backend()
         # rows enough for the requests of a step and for the profiling forward's sequences
         rows = max(max_num_seqs, -(-max_num_batched_tokens // max_model_len))
-        self.max_model_len, self.max_num_batched_tokens = max_model_len, max(max_num_batched_tokens, max_num_seqs)
-        self.input_batch = InputBatch(rows, max_model_len, self.max_num_batched_tokens, block_size)
+        self.max_model_len, self.max_step_tokens = max_model_len, max(max_num_batched_tokens, max_num_seqs)
+        self.input_batch = InputBatch(rows, max_model_len, self.max_step_tokens, block_size)
         # (a model on the meta device - shapes only, for sizing estimates - samples nothing)
         gen_device = "cpu" if self.device.type == "meta" else self.device
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
@@ -188,7 +188,7 @@ class ModelRunner:
     @torch.inference_mode()
     def calibration_forward(self, token_ids: list[int]) -> None:
         """One forward of token_ids as a fresh prompt with a throwaway KV cache and state (the w8a8
-        smoothing's observers watch it). At most max_model_len and max_num_batched_tokens tokens."""
+        smoothing's observers watch it). At most max_model_len and max_step_tokens tokens."""
         with self._throwaway_forward([list(token_ids)], "calibration"):
             pass
 

@@ -153,7 +153,7 @@ def smooth_w8a8(runner, loaded) -> int:
         logger.info("w8a8: activations not smoothed under pipeline parallelism (plain per-token int8)")
         return 0
     t0 = time.perf_counter()
-    limit = min(runner.max_num_batched_tokens, runner.max_model_len)
+    limit = min(runner.max_step_tokens, runner.max_model_len)
     tokens = calibration_tokens(loaded.tokenizer, loaded.config.vocab_size, limit)
     act: dict[int, torch.Tensor] = {}
 
