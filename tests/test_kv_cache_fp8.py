@@ -87,6 +87,47 @@ def test_torch_write_path_stores_the_same_bytes():
     assert torch.equal(kv.view(torch.uint8), native.view(torch.uint8))
 
 
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_with_a_key_shift_stores_the_shifted_keys(isa, dtype):
+    """k_shift [Hk * D] is taken off each key in fp32 before the conversion: the native kernel (vector bodies
+    and scalar tails) and the torch path store (k - shift) / scale, bit for bit; V is not shifted."""
+    from tidal.layers.attention.kv_cache_dtype import write_slots
+    hk, d, bs = 2, 45, 4
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(7, hk, d, generator=g) * 30).to(dtype), (torch.randn(7, hk, d, generator=g) * 30).to(dtype)
+    shift = torch.randn(hk * d, generator=g) * 20
+    slots = torch.tensor([0, 5, 9, 2, 13, 30, 17])
+    native, torch_path = (torch.zeros(kv_cache_shape(9, bs, hk, d), dtype=FP8) for _ in range(2))
+    nk, nv = split_kv_cache(native)
+    with isa_override(isa):
+        assert cpu_kernels.write_kv(k, v, nk, nv, slots, 0.5, 2.0, shift)
+    tk, tv = split_kv_cache(torch_path)
+    write_slots(tk, tv, k, v, slots, 0.5, 2.0, shift)
+    assert torch.equal(native.view(torch.uint8), torch_path.view(torch.uint8))
+    want_k = quantize(k.float() - shift.view(hk, d), 0.5).view(torch.uint8)
+    assert torch.equal(nk.view(torch.uint8)[slots // bs, :, :, slots % bs], want_k)
+    assert torch.equal(nv.view(torch.uint8)[slots // bs, :, slots % bs, :], quantize(v, 2.0).view(torch.uint8))
+
+
+def test_a_constant_key_shift_leaves_attention_unchanged():
+    """Every score of a query moves by q . shift, which softmax ignores: the reason centring the keys of an
+    FP8 cache is exact before rounding (checked here on an fp32 cache)."""
+    nb, bs, hk, hq, d = 6, 4, 2, 4, 16
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(kv_cache_shape(nb, bs, hk, d), generator=g)
+    shifted = kv.clone()
+    shift = torch.randn(hk, d, generator=g) * 10
+    split_kv_cache(shifted)[0].sub_(shift.view(1, hk, d, 1))  # K blocks are [block, Hk, D, block size]
+    q = torch.randn(3, hq, d, generator=g)
+    tables, lens = torch.tensor([[0, 1, 2, 3, 4, 5]] * 3), torch.tensor([5, 13, 24])
+    outs = []
+    for cache in (kv, shifted):
+        k_cache, v_cache = split_kv_cache(cache)
+        outs.append(cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
 def _fp8_cache(nb, bs, hk, d, seed=0):
     """An unquantized fp32 cache and its E4M3 copy (K / 0.05, V / 0.08: scales that are not 1)."""
     g = torch.Generator().manual_seed(seed)
@@ -182,6 +223,37 @@ def test_fp8_cache_logprobs_close_to_auto_and_greedy_mostly_agrees(tiny_model_di
     assert firsts >= 9 and same >= 0.5 * NUM_PROMPTS * 12, (firsts, same)
 
 
+def test_centred_keys_cut_the_error_of_keys_with_constant_offsets(tmp_path, monkeypatch):
+    """Keys whose slowest rotary channels carry a large constant offset (as real models' keys do): with each
+    layer's mean key taken off before storing (the default), the FP8 cache's prompt logprobs move much less
+    from the fp32 cache's than without (TIDAL_FP8_KV_CENTERING=0)."""
+    from safetensors.torch import load_file, save_file
+    path = save_tiny_model(str(tmp_path / "qwen2"), tiny_config("qwen2"), seed=2)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("k_proj.bias"):
+            t.view(-1, 16)[:, [6, 7, 14, 15]] += 8.0  # head_dim 16: rotary pairs (6, 14), (7, 15) turn slowest
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    engine = {"dtype": "float32", "kv_cache_memory_bytes": TEST_KV_CACHE_BYTES, "max_num_batched_tokens": 32,
+              "block_size": 4}
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    prompts = random_prompts(5, 10, 50, 256, seed=4)
+
+    def logprobs(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return torch.tensor([o.prompt_logprobs[i][p[i]].logprob
+                             for o, p in zip(outs, prompts, strict=True) for i in range(1, len(p))])
+
+    ref = logprobs(LLM(path, **engine))
+    monkeypatch.setenv("TIDAL_FP8_KV_CENTERING", "0")
+    plain = (logprobs(LLM(path, kv_cache_dtype="fp8", **engine)) - ref).abs()
+    monkeypatch.delenv("TIDAL_FP8_KV_CENTERING")
+    llm = LLM(path, kv_cache_dtype="fp8", **engine)
+    centred = (logprobs(llm) - ref).abs()
+    assert all(a.k_shift is not None for a in llm.llm_engine.runner.attn_layers)
+    assert centred.mean() < 0.7 * plain.mean(), (centred.mean().item(), plain.mean().item())
+
+
 def test_fp8_e4m3_is_the_same_cache_as_fp8(tiny_model_dir):
     path = tiny_model_dir("llama")
     prompts = random_prompts(3, 10, 30, 512, seed=6)
@@ -198,7 +270,8 @@ def test_prefix_cache_hits_and_preemption_with_fp8_equal_a_plain_fp8_run(tiny_mo
     base = random_prompts(3, 40, 40, 512, seed=7)
     prompts = [base[i % 3] + s for i, s in enumerate(random_prompts(9, 5, 12, 512, seed=8))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-    ref, _ = _run(path, prompts, params, kv_cache_dtype="fp8", enable_prefix_caching=False)
+    # (the same max_model_len: the keys' centring is measured over a prompt of up to that many tokens)
+    ref, _ = _run(path, prompts, params, kv_cache_dtype="fp8", enable_prefix_caching=False, max_model_len=96)
     tight = 24 * 4 * 3 * 2 * 2 * 16  # 24 blocks of 4 tokens: 3 layers x (K, V) x 2 heads x 16 dims x 1 byte
     outs, llm = _run(path, prompts, params, kv_cache_dtype="fp8", kv_cache_memory_bytes=tight, max_model_len=96)
     engine = llm.llm_engine

@@ -45,7 +45,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_write_kv
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                   + [ctypes.c_int] * 2 + [ctypes.c_float] * 2)
+                   + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_void_p])
 
 
 _LIB = NativeLibrary("cpu_kernels", os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp"),
@@ -129,13 +129,18 @@ def rope_neox(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+             k_shift: torch.Tensor | None = None) -> bool:
     """Store k/v [T, Hk, D] (rows may be strided) at their slots of k_cache [nb, Hk, D, bs] and
-    v_cache [nb, Hk, bs, D]; an FP8 cache gets k / k_scale and v / v_scale converted as
-    kv_cache_dtype.quantize does, bit for bit. False when the native kernel does not apply."""
+    v_cache [nb, Hk, bs, D]; an FP8 cache gets (k - k_shift) / k_scale and v / v_scale converted as
+    kv_cache_dtype.quantize does, bit for bit (k_shift: fp32 [Hk * D] or None; FP8 caches only). False
+    when the native kernel does not apply."""
     lib = _lib_for(k)
     if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype or not _cache_dtype_ok(k.dtype, k_cache.dtype)
             or v_cache.dtype != k_cache.dtype or slot_mapping.dtype != torch.int64):
+        return False
+    if k_shift is not None and (k_cache.dtype != torch.float8_e4m3fn or k_shift.dtype != torch.float32
+                                or not k_shift.is_contiguous() or k_shift.numel() != k.shape[1] * k.shape[2]):
         return False
     for t in (k, v):
         if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
@@ -144,7 +149,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slot_mapping = slot_mapping.contiguous()  # held: a temporary copy would be freed before the call runs
     lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
-                       _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale)
+                       _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale,
+                       None if k_shift is None else k_shift.data_ptr())
     return True
 
 

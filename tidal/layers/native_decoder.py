@@ -54,7 +54,8 @@ class _Linear(Structure):
 class _Layer(Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("in_norm", c_void_p), ("post_norm", c_void_p), ("k_cache", c_void_p), ("v_cache", c_void_p),
-                ("k_scale", c_float), ("v_scale", c_float), ("kv_dtype", c_int32), ("pad", c_int32)]
+                ("k_scale", c_float), ("v_scale", c_float), ("kv_dtype", c_int32), ("pad", c_int32),
+                ("k_shift", c_void_p)]
 
 
 class _Model(Structure):
@@ -239,7 +240,7 @@ class NativeDecoder:
             # K blocks and V blocks: the two halves of the layer's cache (attention/layer.py: split_kv_cache)
             entries.append(_Layer(*linears, layer.input_layernorm.weight.data_ptr(),
                                   layer.post_attention_layernorm.weight.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(),
-                                  a.attn.k_scale, a.attn.v_scale, cache_dtype, 0))
+                                  a.attn.k_scale, a.attn.v_scale, cache_dtype, 0, _ptr(a.attn.k_shift)))
         first = self.layers[0]
         a = first.self_attn
         kv = a.attn.kv_cache

@@ -112,6 +112,7 @@ class ModelRunner:
         # rows enough for the requests of a step and for the profiling forward's sequences
         rows = max(max_num_seqs, -(-max_num_batched_tokens // max_model_len))
         self.max_model_len, self.max_step_tokens = max_model_len, max(max_num_batched_tokens, max_num_seqs)
+        self.max_step_seqs = rows
         self.input_batch = InputBatch(rows, max_model_len, self.max_step_tokens, block_size)
         # (a model on the meta device - shapes only, for sizing estimates - samples nothing)
         gen_device = "cpu" if self.device.type == "meta" else self.device
@@ -133,6 +134,9 @@ class ModelRunner:
         if loaded.quantization == "w8a8":
             from tidal.layers.quantization.smoothing import smooth_w8a8
             smooth_w8a8(runner, loaded)
+        if runner.kv_cache_dtype == FP8:
+            from tidal.layers.quantization.smoothing import center_fp8_keys
+            center_fp8_keys(runner, loaded)
         release_free_heap()
         return runner
 
@@ -186,11 +190,21 @@ class ModelRunner:
                     logits, SamplingMetadata.from_params([draw] * len(rows), self.device, logits.shape[-1]))
 
     @torch.inference_mode()
-    def calibration_forward(self, token_ids: list[int]) -> None:
-        """One forward of token_ids as a fresh prompt with a throwaway KV cache and state (the w8a8
-        smoothing's observers watch it). At most max_model_len and max_step_tokens tokens."""
-        with self._throwaway_forward([list(token_ids)], "calibration"):
-            pass
+    def calibration_forward(self, prompts: list[list[int]], inspect=None) -> None:
+        """Forwards of fresh prompts (each at most max_model_len tokens), as many per forward as a step
+        holds, with a throwaway KV cache and state (the w8a8 smoothing's observers watch them).
+        inspect(group), if given, runs after each forward before its cache is dropped: the group's prompt i
+        starts at block sum(ceil(len(p) / block_size) for the prompts p before it)."""
+        group: list[list[int]] = []
+        for p in [*prompts, None]:
+            if group and (p is None or sum(map(len, group)) + len(p) > self.max_step_tokens
+                          or len(group) == self.max_step_seqs):
+                with self._throwaway_forward(group, "calibration"):
+                    if inspect is not None:
+                        inspect(group)
+                group = []
+            if p is not None:
+                group.append(list(p))
 
     @contextlib.contextmanager
     def _throwaway_forward(self, prompts: list[list[int]], name: str):

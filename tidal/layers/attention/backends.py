@@ -64,7 +64,8 @@ class CPUNativeBackend(AttentionBackend):
         q = q.view(T, layer.num_heads, layer.head_dim)
         k_cache, v_cache = split_kv_cache(layer.kv_cache)
         write_kv(k_cache, v_cache, k.view(T, layer.num_kv_heads, layer.head_dim),
-                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale)
+                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale,
+                 layer.k_shift)
         out = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, layer.scale,
                                                  meta.token_rows, layer.k_scale, layer.v_scale)
         if out is None:  # a dtype the kernel does not take: the torch decode path, one query per token
@@ -114,7 +115,8 @@ class TorchSDPABackend(AttentionBackend):
         k = k.view(T, layer.num_kv_heads, layer.head_dim)
         v = v.view(T, layer.num_kv_heads, layer.head_dim)
         k_cache, v_cache = split_kv_cache(layer.kv_cache)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer.k_scale, layer.v_scale)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, layer.k_scale, layer.v_scale,
+                 layer.k_shift)
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
@@ -164,7 +166,8 @@ class TritonBackend(AttentionBackend):
         T = q.shape[0]
         k_cache, v_cache = split_kv_cache(layer.kv_cache)
         write_kv(k_cache, v_cache, k.view(T, layer.num_kv_heads, layer.head_dim),
-                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale)
+                 v.view(T, layer.num_kv_heads, layer.head_dim), meta.slot_mapping, layer.k_scale, layer.v_scale,
+                 layer.k_shift)
         return self._attend(layer, q.view(T, layer.num_heads, layer.head_dim), k_cache, v_cache, meta)
 
     def forward_rotary(self, layer, positions, qk, v, rotary, meta: TritonMetadata) -> torch.Tensor:

@@ -73,12 +73,15 @@ def read_blocks(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, sc
 
 
 def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+                slot_mapping: torch.Tensor, k_scale: float, v_scale: float,
+                k_shift: torch.Tensor | None = None) -> None:
     """k/v [T, Hk, D] into their slots of k_cache [nb, Hk, D, bs] (blocks transposed) and v_cache
-    [nb, Hk, bs, D]; quantized first for an FP8 cache."""
+    [nb, Hk, bs, D]; quantized first for an FP8 cache (K less k_shift [Hk * D] first, where given)."""
     block_size = v_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     if k_cache.dtype == FP8:
+        if k_shift is not None:
+            k = k.float() - k_shift.view(k.shape[1], k.shape[2])
         k, v = storage(quantize(k, k_scale)), storage(quantize(v, v_scale))
     else:
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)

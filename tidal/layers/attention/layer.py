@@ -31,6 +31,8 @@ class Attention(nn.Module):
         # an FP8 cache holds K / k_scale and V / v_scale: from the checkpoint when it has them
         self.k_scale, self.v_scale = 1.0, 1.0
         self.kv_scales_from_checkpoint = False
+        # an FP8 cache's mean key [Hk * D] fp32, taken off every key before it is stored (kv_cache_dtype.py)
+        self.k_shift: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq * D], k/v [T, Hk * D] -> [T, Hq * D], through the step's attention backend."""
@@ -43,7 +45,7 @@ class Attention(nn.Module):
         otherwise q and k are rotated in one pass first."""
         ctx = get_forward_context()
         fused = getattr(ctx.attn_backend, "forward_rotary", None)
-        if fused is not None:
+        if fused is not None and self.k_shift is None:  # (the fused write has no key shift)
             return fused(self, positions, qk, v, rotary, ctx.attn_metadata)
         T = qk.shape[0]
         qk = rotary.rotate(positions, qk).view(T, -1)
@@ -62,11 +64,12 @@ def split_kv_cache(kv_cache: torch.Tensor):
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+             k_shift: torch.Tensor | None = None) -> None:
     """Store this step's k/v [T, Hk, D] at their slots (slot = block * block_size + offset); an FP8 cache
-    stores k / k_scale and v / v_scale."""
-    if not cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
-        write_slots(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+    stores (k - k_shift) / k_scale and v / v_scale."""
+    if not cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_shift):
+        write_slots(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, k_shift)
 
 
 def gather_kv(k_cache, v_cache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype,

@@ -740,26 +740,34 @@ static inline E convert(S x) {
 }
 
 // An E4M3 cache: each value divided by its layer's scale in fp32, then converted as torch's
-// x.float().div(scale).clamp(-448, 448).to(torch.float8_e4m3fn) does (simd.h, namespace e4m3), bit for bit.
+// x.float().div(scale).clamp(-448, 448).to(torch.float8_e4m3fn) does (simd.h, namespace e4m3), bit for bit;
+// with a shift (K rows: the layer's mean key, see tidal/layers/attention/kv_cache_dtype.py), (x - shift) in
+// fp32 first.
 template <int DT>
-static void to_e4m3(const void* src, int64_t start, int64_t n, float scale, uint8_t* dst) {
+static void to_e4m3(const void* src, int64_t start, int64_t n, float scale, uint8_t* dst,
+                    const float* shift = nullptr) {
   int64_t i = 0;
 #if defined(TIDAL_VEC)
   const vf s = simd::set1(scale);
-  for (; i + W <= n; i += W) simd::store_e4m3(dst + i, simd::div(loadv<DT>(src, start + i), s));
+  if (shift)
+    for (; i + W <= n; i += W)
+      simd::store_e4m3(dst + i, simd::div(simd::sub(loadv<DT>(src, start + i), simd::load(shift + i)), s));
+  else
+    for (; i + W <= n; i += W) simd::store_e4m3(dst + i, simd::div(loadv<DT>(src, start + i), s));
 #endif
-  for (; i < n; ++i) dst[i] = simd::e4m3::from_float(load1<DT>(src, start + i) / scale);
+  for (; i < n; ++i)
+    dst[i] = simd::e4m3::from_float((shift ? load1<DT>(src, start + i) - shift[i] : load1<DT>(src, start + i)) / scale);
 }
 
 template <int DT>
 static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                           uint8_t* kc, uint8_t* vc, int64_t T, int64_t Hk, int64_t D, int64_t bs, float k_scale,
-                          float v_scale) {
+                          float v_scale, const float* k_shift) {
   std::vector<uint8_t> row(D);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / bs, off = slots[t] % bs;
     for (int64_t h = 0; h < Hk; ++h) {
-      to_e4m3<DT>(k, t * k_stride + h * D, D, k_scale, row.data());
+      to_e4m3<DT>(k, t * k_stride + h * D, D, k_scale, row.data(), k_shift ? k_shift + h * D : nullptr);
       uint8_t* kdst = kc + (block * Hk + h) * D * bs + off;
       for (int64_t d = 0; d < D; ++d) kdst[d * bs] = row[d];
       to_e4m3<DT>(v, t * v_stride + h * D, D, v_scale, vc + ((block * Hk + h) * bs + off) * D);
@@ -896,12 +904,13 @@ void tidal_rope_neox(const void* x, int64_t x_stride, const float* cos_full, con
 }
 
 // dtype: of k and v; kv_dtype: of the cache (equal, fp32 rows into a bf16 cache, or any rows into an E4M3
-// cache, divided by k_scale / v_scale first).
+// cache, divided by k_scale / v_scale first, K rows less k_shift [Hk * D] fp32 first when it is not null).
 void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                     void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype,
-                    int kv_dtype, float k_scale, float v_scale) {
+                    int kv_dtype, float k_scale, float v_scale, const float* k_shift) {
 #define TIDAL_WRITE_E4M3(S) write_kv_e4m3<S>(k, k_stride, v, v_stride, slots, static_cast<uint8_t*>(k_cache), \
-                                             static_cast<uint8_t*>(v_cache), T, Hk, D, block_size, k_scale, v_scale)
+                                             static_cast<uint8_t*>(v_cache), T, Hk, D, block_size, k_scale, v_scale, \
+                                             k_shift)
   if (kv_dtype == kFP8) {
     if (dtype == kF32) TIDAL_WRITE_E4M3(kF32);
     else if (dtype == kBF16) TIDAL_WRITE_E4M3(kBF16);

@@ -14,16 +14,25 @@ The division is folded into what produces the input, so it costs nothing at run 
 - o's input (the attention output): the V rows of QKV, one s per KV channel shared by the query heads of
   its group (attention is linear in V).
 
-How it runs (`smooth_w8a8`, called by the model runner once the w8a8 model is loaded): one forward of the
-bundled calibration text (calibration.txt, Tidal's own, not the perplexity text) through the Python layers
+How it runs (`smooth_w8a8`, called by the model runner once the w8a8 model is loaded): forwards of the
+bundled calibration text (calibration.txt, Tidal's own, not the perplexity text; its first 1,024 tokens as
+fresh 64-token prompts, so the statistics do not depend on the engine's limits) through the Python layers
 with observers on the layers' inputs; s from the observed maxima and the int8 weights' column maxima; the
 consumers' weights read again from the checkpoint and quantized with their columns scaled (the
 checkpoint's values, not the first int8 copy, so nothing is rounded twice); the producers divided in
-place. Each tensor-parallel rank does this for its own shard (every step of it is local to the shard).
-Applies to decoder layers laid out as Llama's (and the attention of Mixtral and Jamba layers); skipped
-under pipeline parallelism (a stage's calibration forward would need the stages before it), and for a
-checkpoint already quantized. TIDAL_W8A8_SMOOTHING=0 turns it off (A/B; plain per-token w8a8).
+place. Each tensor-parallel rank does this for its own shard (every step of it is local to the shard);
+each pipeline stage for its own layers (every stage's runner calls this at load, so the calibration
+forwards pass through the stages as a step's do). Applies to decoder layers laid out as Llama's (and the
+attention of Mixtral and Jamba layers); not to a checkpoint already quantized. TIDAL_W8A8_SMOOTHING=0
+turns it off (A/B; plain per-token w8a8).
 Measured on the default model: docs/quantization.md.
+
+A forward of the same text (one prompt of up to 1,024 tokens) centres an FP8 KV cache's keys
+(`center_fp8_keys`): each attention layer's mean key over it (after rotary, per KV head and channel) is
+taken off every key before it is stored in E4M3. A query's scores then all move by the same q . mean,
+which softmax ignores, so attention is unchanged in exact arithmetic, while the stored values lose the
+constant offsets some channels carry and E4M3's relative rounding acts on what is left. CPU only (the
+CUDA path's fused rotary-and-write kernel has no shift); TIDAL_FP8_KV_CENTERING=0 turns it off.
 """
 from __future__ import annotations
 
@@ -42,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 ALPHA = 0.5
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
-MAX_CALIBRATION_TOKENS = 2048
+CALIBRATION_TOKENS = 1024
+PIECE_TOKENS = 64
 
 
 @dataclass
@@ -127,21 +137,28 @@ def _expand_heads(s: torch.Tensor, heads) -> torch.Tensor:
     return s.view(hk, 1, d).expand(hk, hq // hk, d).reshape(-1)
 
 
-def calibration_tokens(tokenizer, vocab_size: int, limit: int) -> list[int]:
-    """The calibration text's tokens; without a tokenizer (token-id prompts only), its UTF-8 bytes taken
-    as token ids (the outlier channels show on any input)."""
+def calibration_tokens(tokenizer, vocab_size: int) -> list[int]:
+    """The calibration text's first CALIBRATION_TOKENS tokens. Without a tokenizer (token-id prompts only),
+    its UTF-8 bytes taken as token ids (the outlier channels show on any input)."""
     text = CALIBRATION_TEXT.read_text(encoding="utf-8")
     if tokenizer is not None:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = [b % vocab_size for b in text.encode()]
-    return list(ids[:min(limit, MAX_CALIBRATION_TOKENS)])
+    return list(ids[:CALIBRATION_TOKENS])
+
+
+def calibration_prompts(tokenizer, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """calibration_tokens in fresh prompts of PIECE_TOKENS (shorter only when max_model_len is), so the
+    statistics do not depend on the engine's step limits."""
+    ids = calibration_tokens(tokenizer, vocab_size)
+    piece = min(PIECE_TOKENS, max_model_len)
+    return [ids[i:i + piece] for i in range(0, len(ids), piece)]
 
 
 def smooth_w8a8(runner, loaded) -> int:
     """Smooth every w8a8 layer of the loaded model it applies to (see the module docstring); returns the
     number of inputs smoothed."""
-    from tidal.distributed import get_pp_size
     from tidal.models.utils import reload_stacked_weights
     if os.environ.get("TIDAL_W8A8_SMOOTHING", "1") == "0" or loaded.reread is None:
         return 0
@@ -149,12 +166,8 @@ def smooth_w8a8(runner, loaded) -> int:
     groups = smoothing_groups(model)
     if not groups:
         return 0
-    if get_pp_size() > 1:
-        logger.info("w8a8: activations not smoothed under pipeline parallelism (plain per-token int8)")
-        return 0
     t0 = time.perf_counter()
-    limit = min(runner.max_step_tokens, runner.max_model_len)
-    tokens = calibration_tokens(loaded.tokenizer, loaded.config.vocab_size, limit)
+    prompts = calibration_prompts(loaded.tokenizer, loaded.config.vocab_size, runner.max_model_len)
     act: dict[int, torch.Tensor] = {}
 
     def observe(module, inputs):
@@ -165,7 +178,7 @@ def smooth_w8a8(runner, loaded) -> int:
     hooks = [g.consumer.register_forward_pre_hook(observe) for g in groups]
     try:
         with native_decoder.suspended():
-            runner.calibration_forward(tokens)
+            runner.calibration_forward(prompts)
     finally:
         for h in hooks:
             h.remove()
@@ -186,5 +199,44 @@ def smooth_w8a8(runner, loaded) -> int:
     for g in groups:
         g.consumer.quant_method.process_weights_after_loading(g.consumer)
     logger.info("w8a8: %d layer inputs smoothed (SmoothQuant, alpha %.2g) from %d calibration tokens in %.1f s",
-                len(groups), ALPHA, len(tokens), time.perf_counter() - t0)
+                len(groups), ALPHA, sum(map(len, prompts)), time.perf_counter() - t0)
     return len(groups)
+
+
+def center_fp8_keys(runner, loaded) -> int:
+    """Set each attention layer's k_shift to its mean key over the calibration text (see the module
+    docstring); returns the number of layers centred."""
+    from tidal.layers.attention.kv_cache_dtype import read_blocks
+    from tidal.layers.attention.layer import split_kv_cache
+    layers = runner.attn_layers
+    if os.environ.get("TIDAL_FP8_KV_CENTERING", "1") == "0" or not layers or runner.device.type != "cpu":
+        return 0
+    t0 = time.perf_counter()
+    # one prompt, as long as the engine takes up to CALIBRATION_TOKENS: a key channel's mean depends on the
+    # positions it is taken over (each rotary pair turns at its own rate), and long contexts are what
+    # the centring is for (the default model's perplexity: +0.6% with 1,024 positions, +1.5% with pieces
+    # of 64, against +1.2% uncentred). So an engine whose max_model_len or step is shorter centres on fewer.
+    limit = min(CALIBRATION_TOKENS, runner.max_model_len, runner.max_step_tokens)
+    prompts = [calibration_tokens(loaded.tokenizer, loaded.config.vocab_size)[:limit]]
+    sums = [torch.zeros(a.num_kv_heads * a.head_dim, dtype=torch.float64) for a in layers]
+
+    def inspect(group):
+        starts = [0]
+        for p in group:
+            starts.append(starts[-1] + -(-len(p) // runner.block_size))
+        for a, total in zip(layers, sums, strict=True):
+            k_cache, _ = split_kv_cache(a.kv_cache)  # [blocks, Hk, D, block size], tokens in slot order
+            keys = read_blocks(k_cache, torch.arange(starts[-1]), torch.float32, a.k_scale)
+            keys = keys.permute(0, 3, 1, 2).reshape(-1, a.num_kv_heads * a.head_dim)
+            for p, start in zip(group, starts, strict=False):
+                total += keys[start * runner.block_size:start * runner.block_size + len(p)].double().sum(0)
+
+    with native_decoder.suspended():
+        runner.calibration_forward(prompts, inspect)
+    count = sum(map(len, prompts))
+    for a, total in zip(layers, sums, strict=True):
+        # on a grid of 1/16: tensor- or pipeline-parallel ranks, whose sums differ in their last bits, agree
+        a.k_shift = torch.round(total / count * 16).div(16).float().contiguous()
+    logger.info("FP8 KV cache: keys centred on their mean over %d calibration tokens in %d attention layers "
+                "(%.1f s)", count, len(layers), time.perf_counter() - t0)
+    return len(layers)
