@@ -78,11 +78,11 @@ def kv_absmax(quantization) -> list[tuple[float, float]]:
     import gc
 
     from tidal import LLM, SamplingParams
-    from tidal.layers.quantization.smoothing import calibration_prompts
+    from tidal.layers.quantization.smoothing import calibration_tokens
     llm = LLM(quantization=quantization, max_model_len=1025)
     runner = llm.llm_engine.runner
-    prompts = calibration_prompts(llm.get_tokenizer(), None, 1024)
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
+    ids = calibration_tokens(llm.get_tokenizer(), None)
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
     out = [(a.kv_cache[0].float().abs().max().item(), a.kv_cache[1].float().abs().max().item())
            for a in runner.attn_layers]
     del llm, runner
