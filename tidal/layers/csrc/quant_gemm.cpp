@@ -372,8 +372,9 @@ void blocked_w8a16(const float* x, const typename Src::T* w, const F32Epilogue& 
 using bf16_rows_gemm_fn = int (*)(const void* x, const void* w, void* fn, int format, const void* bias, void* out,
                                   int64_t M, int64_t N, int64_t K, int num_threads);
 bf16_rows_gemm_fn g_bf16_rows_gemm = nullptr;
-// From this many rows: on one layer's four products of SmolLM2 (Zen 5, 2 threads) the tiles take 1.29x the
-// skinny passes' time at 8 rows, 0.90x at 12, 0.69x at 16, 0.47x at 32, 0.33x at 128
+// From this many rows: on one layer's four products of SmolLM2 (benchmarks/w8a16_tiles.py, run with this
+// constant at 8; Zen 5, 2 threads) the tiles took 1.29x the skinny passes' time at 8 rows, 0.90x at 12,
+// 0.69x at 16, 0.47x at 32, 0.33x at 128
 constexpr int64_t kW8A16TileMinRows = 12;
 
 struct ScaledRows {  // the `w` a row maker gets: the 8-bit weight and its per-row scales
