@@ -348,15 +348,16 @@ def _stream_events(base: str, body: dict, started: threading.Event, events: list
                                                     (signal.SIGTERM, True)])
 def test_signal_during_streaming_finishes_in_flight_aborts_the_late_and_exits_0(tiny_model_dir, tmp_path, sig,
                                                                                 core_process):
-    # the long request (4000 steps) cannot finish within the timeout, the short one (20) must
-    proc, base = _serve(tiny_model_dir("llama", max_position_embeddings=4096), tmp_path / "server.log",
-                        "--max-model-len", "4096", "--shutdown-timeout", "1",
+    # the long request (16000 steps: the tiny model decodes a token in well under a millisecond) cannot
+    # finish within the timeout, the short one (20) must
+    proc, base = _serve(tiny_model_dir("llama", max_position_embeddings=16384), tmp_path / "server.log",
+                        "--max-model-len", "16384", "--kv-cache-memory-bytes", str(16 << 20), "--shutdown-timeout", "1",
                         "--engine-core-process" if core_process else "--no-engine-core-process")
     try:
         short, long = [], []  # SSE data of a request that fits in the timeout and of one that cannot
         started = [threading.Event(), threading.Event()]
         threads = [threading.Thread(target=_stream_events, args=(base, _body([5, 6, 7], n, stream=True), s, e))
-                   for n, s, e in ((20, started[0], short), (4000, started[1], long))]
+                   for n, s, e in ((20, started[0], short), (16000, started[1], long))]
         for t in threads:
             t.start()
         assert all(s.wait(TIMEOUT) for s in started)
