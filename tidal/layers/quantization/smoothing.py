@@ -182,10 +182,8 @@ def smooth_w8a8(runner, loaded) -> int:
     finally:
         for h in hooks:
             h.remove()
-    factors = {}
-    for g in groups:
-        s = smoothing_factors(act[id(g.consumer)], column_absmax(g.consumer), g.heads)
-        factors[id(g.consumer)] = (g, s)
+    factors = [smoothing_factors(act[id(g.consumer)], column_absmax(g.consumer), g.heads) for g in groups]
+    for g, s in zip(groups, factors, strict=True):
         g.consumer.input_smoothing = _expand_heads(s, g.heads) if g.heads else s
     consumers = {id(g.consumer.weight) for g in groups}
     try:
@@ -194,7 +192,7 @@ def smooth_w8a8(runner, loaded) -> int:
     finally:
         for g in groups:
             del g.consumer.input_smoothing
-    for g, s in factors.values():
+    for g, s in zip(groups, factors, strict=True):
         g.fold(s)
     for g in groups:
         g.consumer.quant_method.process_weights_after_loading(g.consumer)
@@ -218,26 +216,21 @@ def center_fp8_keys(runner, loaded) -> int:
     # uncentred; means over 64-token pieces did worse than no centring). So an engine whose max_model_len
     # or step is shorter centres on fewer.
     limit = min(CALIBRATION_TOKENS, runner.max_model_len, runner.max_step_tokens)
-    prompts = [calibration_tokens(loaded.tokenizer, loaded.config.vocab_size)[:limit]]
-    sums = [torch.zeros(a.num_kv_heads * a.head_dim, dtype=torch.float64) for a in layers]
+    tokens = calibration_tokens(loaded.tokenizer, loaded.config.vocab_size)[:limit]
+    means = []
 
-    def inspect(group):
-        starts = [0]
-        for p in group:
-            starts.append(starts[-1] + -(-len(p) // runner.block_size))
-        for a, total in zip(layers, sums, strict=True):
+    def inspect(group):  # the one prompt, in the cache's first blocks
+        blocks = torch.arange(-(-len(tokens) // runner.block_size))
+        for a in layers:
             k_cache, _ = split_kv_cache(a.kv_cache)  # [blocks, Hk, D, block size], tokens in slot order
-            keys = read_blocks(k_cache, torch.arange(starts[-1]), torch.float32, a.k_scale)
-            keys = keys.permute(0, 3, 1, 2).reshape(-1, a.num_kv_heads * a.head_dim)
-            for p, start in zip(group, starts, strict=False):
-                total += keys[start * runner.block_size:start * runner.block_size + len(p)].double().sum(0)
+            keys = read_blocks(k_cache, blocks, torch.float32, a.k_scale).permute(0, 3, 1, 2)
+            means.append(keys.reshape(-1, a.num_kv_heads * a.head_dim)[:len(tokens)].double().mean(0))
 
     with native_decoder.suspended():
-        runner.calibration_forward(prompts, inspect)
-    count = sum(map(len, prompts))
-    for a, total in zip(layers, sums, strict=True):
+        runner.calibration_forward([tokens], inspect)
+    for a, mean in zip(layers, means, strict=True):
         # on a grid of 1/16: tensor- or pipeline-parallel ranks, whose sums differ in their last bits, agree
-        a.k_shift = torch.round(total / count * 16).div(16).float().contiguous()
+        a.k_shift = torch.round(mean * 16).div(16).float().contiguous()
     logger.info("FP8 KV cache: keys centred on their mean over %d calibration tokens in %d attention layers "
-                "(%.1f s)", count, len(layers), time.perf_counter() - t0)
+                "(%.1f s)", len(tokens), len(layers), time.perf_counter() - t0)
     return len(layers)
