@@ -64,12 +64,12 @@ def start(engine: str, model: str, port: int, max_model_len: int):
     raise RuntimeError(f"{engine} server did not become ready; see {log.name}")
 
 
-def run_rate(url: str, rate: str, args) -> dict:
+def run_rate(url: str, rate: str, args, seed: int) -> dict:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     cmd = [os.path.join(os.path.dirname(sys.executable), "tidal"), "bench", "serve", "--base-url", url,
            "--dataset", "random", "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", rate,
-           "--seed", "0", "--output-json", out]
+           "--seed", str(seed), "--output-json", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         return json.load(f)
@@ -92,13 +92,14 @@ def main() -> int:
     for engine in args.engines:
         proc, url = start(engine, args.model, free_port(), args.max_model_len)
         try:
-            run_rate(url, "inf", argparse.Namespace(**{**vars(args), "num_prompts": 4}))  # warm-up
-            results[engine] = {rate: run_rate(url, rate, args) for rate in args.rates}
+            # each run draws its own prompts (seed): a prompt seen before would hit the prefix cache
+            run_rate(url, "inf", argparse.Namespace(**{**vars(args), "num_prompts": 4}), seed=10_000)  # warm-up
+            results[engine] = {rate: run_rate(url, rate, args, seed=1 + i) for i, rate in enumerate(args.rates)}
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    keys = [("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
-            ("p99_e2el_ms", "p99 E2E ms")]
+    keys = [("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("p99_ttft_ms", "p99 TTFT ms"),
+            ("mean_tpot_ms", "TPOT ms"), ("p99_e2el_ms", "p99 E2E ms")]
     for engine, per_rate in results.items():
         for rate, r in per_rate.items():
             print(f"{engine:10s} rate {rate:>4s}: " + ", ".join(f"{label} {r[k]:.1f}" for k, label in keys))
