@@ -11,12 +11,12 @@ Workloads (the benchmarks' own request sets and settings):
 - offline: `tidal bench throughput --workload offline` (128 requests, prompts 32-512, outputs 16-256, all at once);
 - shared_prefix: `tidal bench throughput --workload shared_prefix` (64 requests, one 1024-token prefix + 64, 64 out);
 - serve at 2, 4 and 8 req/s: benchmarks/serve_sweep.py (`tidal serve`, then `tidal bench serve`: 32 requests of
-  128 random tokens, 64 out, Poisson arrivals with seed 0, max_model_len 2048).
+  128 random tokens, 64 out, Poisson arrivals, max_model_len 2048).
 Each row prints predicted, measured and the error (predicted / measured - 1). The serve rows are simulated as
 served (the calibration's server cost per step and per request of a step, and its latency to a request's first
-token) and as serve_sweep.py runs them: one server, its warm-up (the first 4 requests), then the rates in order,
-each run after `tidal bench serve`'s probe; every run draws the same requests (seed 0), so from the second rate
-on every prompt but its last block is found in the prefix cache. offline and shared_prefix are not served.
+token) and as serve_sweep.py runs them: one server, its warm-up (4 requests), then the rates in order, each run
+after `tidal bench serve`'s probe, each drawing its requests and arrivals with a seed of its own (so no run finds
+an earlier run's prompts in the prefix cache). offline and shared_prefix are not served.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)  # this checkout's tidal, whatever is installed
 
 from tidal.benchmarks import datasets  # noqa: E402
 from tidal.planner import report, workload  # noqa: E402
-from tidal.planner.calibrate import simulate_sweep  # noqa: E402
+from tidal.planner.calibrate import simulate_sweep, sweep_seed, sweep_warmup_requests  # noqa: E402
 from tidal.planner.devices import load_calibration  # noqa: E402
 from tidal.planner.model import profile_model  # noqa: E402
 from tidal.planner.simulator import EngineSettings, simulate  # noqa: E402
@@ -50,11 +50,13 @@ def predict(model: str, calibration: str, rates: list[float]) -> dict:
         s = report.summarize(simulate(profile, device, reqs, EngineSettings()))
         out[name] = {"elapsed_s": s["duration_s"], "output_tok_s": s["output_throughput"],
                      "mean_ttft_ms": s["mean_ttft_ms"], "mean_tpot_ms": s["mean_tpot_ms"], "steps": s["num_steps"]}
-    serve_requests = datasets.random_requests(SERVE["num_prompts"], (SERVE["input_len"],) * 2,
-                                              (SERVE["output_len"],) * 2, 0)
-    # under `tidal serve`, as serve_sweep.py runs the rates: one server, its warm-up, then each rate in order
-    # (the same seed each time: the later runs find their prompts in the prefix cache)
-    runs = simulate_sweep(profile, device, [(serve_requests, rate, 1.0) for rate in rates], SERVE["max_model_len"])
+    # under `tidal serve`, as serve_sweep.py runs the rates: one server, its warm-up, then each rate in order,
+    # each with requests and arrivals of its own seed
+    lens = (SERVE["input_len"],) * 2, (SERVE["output_len"],) * 2
+    sweep = [(datasets.random_requests(SERVE["num_prompts"], *lens, sweep_seed(i)), rate, 1.0, sweep_seed(i))
+             for i, rate in enumerate(rates)]
+    runs = simulate_sweep(profile, device, sweep, SERVE["max_model_len"],
+                          warmup=sweep_warmup_requests(SERVE["input_len"], SERVE["output_len"]))
     for rate, run in zip(rates, runs):
         s = report.summarize(run)
         out[f"serve {rate:g} req/s"] = {

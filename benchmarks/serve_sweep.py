@@ -6,7 +6,9 @@ makes), on the same model folder, and print one line per rate (and the ratios wh
     python benchmarks/serve_sweep.py --engines tidal-inproc tidal --rates 1 2 4 8  # the engine core in the
                                                                                     # server's process vs its own
 
-Each rate runs `tidal bench serve` (Poisson arrivals, random token-id prompts, greedy, ignore_eos).
+Each rate runs `tidal bench serve` (Poisson arrivals, random token-id prompts, greedy, ignore_eos) on one
+server after a warm-up of 4 requests; every run draws its prompts and arrivals with a seed of its own, so
+that no run finds an earlier one's prompts in the prefix cache.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+
+# the sweep's seeds, as the planner simulates it (tidal plan calibrate --serve-result)
+from tidal.planner.calibrate import SWEEP_WARMUP, SWEEP_WARMUP_SEED, sweep_seed
 
 PEERS = os.environ.get("PEERS_DIR", os.path.expanduser("~/.cache/tidal-peers"))
 
@@ -93,8 +98,9 @@ def main() -> int:
         proc, url = start(engine, args.model, free_port(), args.max_model_len)
         try:
             # each run draws its own prompts (seed): a prompt seen before would hit the prefix cache
-            run_rate(url, "inf", argparse.Namespace(**{**vars(args), "num_prompts": 4}), seed=10_000)  # warm-up
-            results[engine] = {rate: run_rate(url, rate, args, seed=1 + i) for i, rate in enumerate(args.rates)}
+            run_rate(url, "inf", argparse.Namespace(**{**vars(args), "num_prompts": SWEEP_WARMUP}),
+                     seed=SWEEP_WARMUP_SEED)
+            results[engine] = {rate: run_rate(url, rate, args, seed=sweep_seed(i)) for i, rate in enumerate(args.rates)}
         finally:
             proc.terminate()
             proc.wait(timeout=60)

@@ -339,14 +339,19 @@ def test_the_served_first_token_latency(smollm2):
 
 
 def test_a_serve_sweep_is_simulated_as_it_runs(smollm2):
-    """serve_sweep.py's warm-up sends the set's first 4 requests; the first rate then finds those 4 prompts
-    cached and computes the rest, the next rate finds all of them cached."""
+    """serve_sweep.py's runs draw their own prompts: after its warm-up, each run finds only the first block
+    of its first prompt cached (the probe `tidal bench serve` sends first). A run of prompts sent before
+    finds all but their last block cached."""
     from tidal.benchmarks import datasets
-    from tidal.planner.calibrate import simulate_sweep
-    reqs = datasets.random_requests(8, (128, 128), (8, 8), 0)
-    first, second = simulate_sweep(smollm2, _served_device(), [(reqs, 4.0, 1.0), (reqs, 8.0, 1.0)])
-    assert [r.num_cached_tokens for r in first.records] == [112] * 4 + [0] * 4
-    assert [r.num_cached_tokens for r in second.records] == [112] * 8
+    from tidal.planner.calibrate import simulate_sweep, sweep_seed, sweep_warmup_requests
+    runs = [(datasets.random_requests(8, (128, 128), (8, 8), sweep_seed(i)), rate, 1.0, sweep_seed(i))
+            for i, rate in enumerate((4.0, 8.0))]
+    again = (runs[0][0], 8.0, 1.0, sweep_seed(0))
+    first, second, third = simulate_sweep(smollm2, _served_device(), runs + [again],
+                                          warmup=sweep_warmup_requests(128, 8))
+    assert [r.num_cached_tokens for r in first.records] == [16] + [0] * 7
+    assert [r.num_cached_tokens for r in second.records] == [16] + [0] * 7
+    assert [r.num_cached_tokens for r in third.records] == [112] * 8
 
 
 def test_a_served_step_off_the_skinny_gemm_costs_more(smollm2):
@@ -371,15 +376,18 @@ def test_the_serving_fit_recovers_the_figures_that_produced_the_runs(smollm2):
     those figures back: the cost per step and the wide step's from the TPOTs (a low rate: mostly skinny
     decodes; a high one: wider batches), the latency from the TTFTs."""
     from tidal.benchmarks import datasets
-    from tidal.planner.calibrate import fit_serve, simulate_sweep
+    from tidal.planner.calibrate import fit_serve, simulate_sweep, sweep_seed, sweep_warmup_requests
     truth = _served_device()
     truth.serve_request_overhead, truth.serve_wide_step_overhead, truth.skinny_max_rows = 0.0, 6e-3, 4
     truth.serve_first_token_latency = 0.012
     results = []
-    runs = [(datasets.random_requests(16, (64, 64), (16, 16), 0), rate, 1.0) for rate in (0.5, 12.0)]
-    for (reqs, rate, _), sim in zip(runs, simulate_sweep(smollm2, truth, runs)):
+    runs = [(datasets.random_requests(16, (64, 64), (16, 16), sweep_seed(i)), rate, 1.0, sweep_seed(i))
+            for i, rate in enumerate((0.5, 12.0))]
+    for (reqs, rate, _, seed), sim in zip(runs, simulate_sweep(smollm2, truth, runs,
+                                                               warmup=sweep_warmup_requests(64, 16))):
         s = summarize(sim)
-        results.append({"num_prompts": 16, "total_input_tokens": 16 * 64, "total_output_tokens": 16 * 16,
+        results.append({"num_prompts": 16, "seed": seed, "total_input_tokens": 16 * 64,
+                        "total_output_tokens": 16 * 16,
                         "request_rate": rate, "burstiness": 1.0, "mean_tpot_ms": s["mean_tpot_ms"],
                         "mean_ttft_ms": s["mean_ttft_ms"]})
     device = get_device("cpu")

@@ -228,7 +228,8 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
     total_out = sum(r.output_tokens for r in done)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     summary = {
-        "model": model, "base_url": args.base_url, "num_prompts": len(results), "request_rate": args.request_rate,
+        "model": model, "base_url": args.base_url, "num_prompts": len(results), "seed": args.seed,
+        "request_rate": args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "completed": len(done),
         "failed": len(results) - len(done), "duration": duration, "total_input_tokens": total_in,
         "total_output_tokens": total_out, "request_throughput": len(done) / duration,

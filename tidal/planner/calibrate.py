@@ -19,8 +19,8 @@ benchmarks use:
 A prompt of half the long context is then timed and predicted, as a check of figures not fitted on it.
 - serving (optional, --serve-result): the `tidal bench serve` results of one benchmarks/serve_sweep.py run
   against `tidal serve` on this machine (a low and a high rate, in the order they ran); the same runs are
-  simulated as the sweep makes them (one server: its warm-up, then each rate, the prefix cache kept
-  between them, so a later rate finds its prompts cached) with the figures above, and the measured mean
+  simulated as the sweep makes them (one server: its warm-up, then each rate with prompts of its own,
+  the prefix cache kept between them) with the figures above, and the measured mean
   TPOTs' excess over the simulated ones gives the server's cost per engine step and per request of a
   step (HTTP, detokenization and streaming share the host with the engine), the mean TTFTs' excess its
   latency to a request's first token (the request's way in and its first chunk's way out); both are
@@ -231,40 +231,53 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
     return device, notes
 
 
-SWEEP_WARMUP = 4     # benchmarks/serve_sweep.py's warm-up: the first 4 requests of the set, all at once
+SWEEP_WARMUP = 4          # benchmarks/serve_sweep.py's warm-up: 4 requests, all at once ...
+SWEEP_WARMUP_SEED = 10_000  # ... drawn with their own seed
 PROBE_TOKENS = 16    # `tidal bench serve`'s probe before each run: the first prompt's first 16 tokens, 2 out
 
 
-def simulate_sweep(profile: ModelProfile, device: Device, runs: list[tuple[list[dict], float, float]],
-                   max_model_len: int = 2048, warmup: int = SWEEP_WARMUP) -> list:
+def sweep_seed(index: int) -> int:
+    """The seed of benchmarks/serve_sweep.py's run number `index` (its requests and arrivals): each run
+    draws its own prompts, so none is found in the prefix cache from an earlier run."""
+    return 1 + index
+
+
+def sweep_warmup_requests(input_len: int, output_len: int) -> list[dict]:
+    """The requests of benchmarks/serve_sweep.py's warm-up for runs of these lengths."""
+    from tidal.benchmarks import datasets
+    return datasets.random_requests(SWEEP_WARMUP, (input_len,) * 2, (output_len,) * 2, SWEEP_WARMUP_SEED)
+
+
+def simulate_sweep(profile: ModelProfile, device: Device, runs: list[tuple[list[dict], float, float, int]],
+                   max_model_len: int = 2048, warmup: list[dict] | None = None) -> list:
     """benchmarks/serve_sweep.py's runs, simulated as it makes them: one server (one engine, its prefix
-    cache kept from run to run), first its warm-up (`warmup` requests of the first run's set, all at once),
-    then each run (requests, rate, burstiness) in order; `tidal bench serve` sends its probe before each
-    (warm-up included) and draws arrivals with seed 0. The runs' requests share their seed, so a run's
-    prompts that an earlier run (or the warm-up) sent are found in the prefix cache: all but their last
-    block's tokens are cached. Returns the SimResult of each run."""
+    cache kept from run to run), first its warm-up (the `warmup` requests, all at once), then each run
+    (requests, rate, burstiness, seed of the arrivals) in order; `tidal bench serve` sends its probe
+    before each (warm-up included). A prompt that an earlier run, the warm-up or the probe sent is found
+    in the prefix cache (all but its last block's tokens), as on the server. Returns the SimResult of
+    each run."""
     from tidal.planner import workload
     from tidal.planner.simulator import EngineSettings, Simulation
     sim = Simulation(profile, device, EngineSettings(max_model_len=max_model_len, served=True))
 
-    def bench(requests: list[dict], rate: float, burstiness: float):
+    def bench(requests: list[dict], rate: float, burstiness: float, seed: int):
         sim.run([workload.SimRequest(0.0, list(requests[0]["prompt_token_ids"][:PROBE_TOKENS]), 2)])
-        return sim.run(workload.from_requests(requests, rate, burstiness, 0))
-    if warmup and runs:
-        bench(runs[0][0][:warmup], float("inf"), 1.0)
+        return sim.run(workload.from_requests(requests, rate, burstiness, seed))
+    if warmup:
+        bench(warmup, float("inf"), 1.0, SWEEP_WARMUP_SEED)
     return [bench(*run) for run in runs]
 
 
-def serve_runs(results: list[dict]) -> list[tuple[list[dict], float, float]]:
-    """The requests of `tidal bench serve` results (random dataset, fixed lengths, seed 0), with each
-    run's rate and burstiness."""
+def serve_runs(results: list[dict]) -> list[tuple[list[dict], float, float, int]]:
+    """The requests of `tidal bench serve` results (random dataset, fixed lengths, each result's seed),
+    with each run's rate, burstiness and seed."""
     from tidal.benchmarks import datasets
     runs = []
     for result in results:
-        n = result["num_prompts"]
+        n, seed = result["num_prompts"], result.get("seed", 0)
         in_len, out_len = result["total_input_tokens"] // n, result["total_output_tokens"] // n
-        runs.append((datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, 0), result["request_rate"],
-                     result.get("burstiness") or 1.0))
+        runs.append((datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, seed), result["request_rate"],
+                     result.get("burstiness") or 1.0, seed))
     return runs
 
 
@@ -282,13 +295,14 @@ def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
 
     from tidal.planner import report
     runs = serve_runs(results)
+    warmup = sweep_warmup_requests(len(runs[0][0][0]["prompt_token_ids"]), runs[0][0][0]["max_tokens"])
     second = "serve_wide_step_overhead" if device.skinny_max_rows > 0 else "serve_request_overhead"
     device.serve_request_overhead = device.serve_wide_step_overhead = 0.0
 
     def summaries(x: np.ndarray) -> list[dict]:
         device.serve_step_overhead = float(x[0])
         setattr(device, second, float(x[1]))
-        return [report.summarize(r) for r in simulate_sweep(profile, device, runs, max_model_len)]
+        return [report.summarize(r) for r in simulate_sweep(profile, device, runs, max_model_len, warmup)]
 
     def tpots(x: np.ndarray) -> np.ndarray:
         return np.array([s["mean_tpot_ms"] / 1e3 for s in summaries(x)])
