@@ -4,10 +4,10 @@
 
 - GEMM with bf16 weights and fp32 activations (the `dtype auto` path of CPUs without native bf16)
   against torch's fp32 GEMM, for 1 to 256 rows, summed over one layer's four products and the LM head.
-- bf16 x bf16 GEMM from the plain weight (AVX-512 BF16: the path of prompt chunks and batches in a
-  bf16 model) against oneDNN's GEMM on a prepacked copy of the weight (what a second copy would buy)
-  and on the plain weight (F.linear), for 16 to 2048 rows, summed the same way (the LM head only up
-  to 256 rows: it sees one row per sequence).
+- bf16 x bf16 GEMM (AVX-512 BF16: the path of prompt chunks and batches in a bf16 model) on the packed
+  weight the engine holds and on the plain weight, against oneDNN's GEMM on its own prepacked copy and on
+  the plain weight (F.linear), for 16 to 2048 rows, summed over one layer's four products; the LM head
+  alone up to 256 rows (it sees one row per sequence).
 - Products with 8-bit weights (tidal/layers/quant_kernels.py) against the bf16 kernels on the same
   shapes, for 1, 4, 16 and 128 rows: int8 and fp8 weights widened in registers under fp32 (W8A16),
   W8A8 (per-token int8 activations, VPDPBUSD or VPMADDUBSW), beside the bf16 skinny kernel (rows <= 4)
@@ -19,7 +19,10 @@
 - Paged attention: 64 decodes over 1,100 cached tokens each (own blocks; sharing their first 1,024
   tokens' blocks, attended in tiles over those, and untiled), and one 64-token prompt chunk over
   1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16, fp32 and FP8 (E4M3)
-  caches and bf16 over bf16 and FP8. GFLOP/s count 4 * heads * head_dim per query and cached token.
+  caches and bf16 over bf16 and FP8; and one 256-token prompt attending to itself (causal, in tiles).
+  GFLOP/s count 4 * heads * head_dim per query and cached token.
+- The rest of a layer for a prompt of 256 and 2,048 tokens: the two RMSNorms, rotary, the KV write and
+  SiLU-and-mul (`--only elementwise`).
 Run with the machine otherwise idle; name the CPU (lscpu) beside the figures.
 """
 from __future__ import annotations
@@ -62,19 +65,55 @@ def gemm_bf16(isa: str) -> None:
     if isa != "avx512_bf16":
         return  # bf16 activations are not what dtype auto picks there
     for m in (16, 64, 256, 1024, 2048):
-        native = packed = plain = 0.0
-        shapes = [(n, k) for n, k in SHAPES if m <= 256 or n != 49152]
-        for n, k in shapes:
+        native = packed = onednn = plain = 0.0
+        layer = [(n, k) for n, k in SHAPES if n != 49152]  # one decoder layer's four products
+        for n, k in layer:
             x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-            prepacked = torch.ops.mkldnn._reorder_linear_weight(w, 128)  # as the engine packed them
+            ours = cpu_kernels.pack_bf16_weight(w)  # as the engine holds a bf16 model's weights
+            prepacked = torch.ops.mkldnn._reorder_linear_weight(w, 128)
             reps = max(3, min(20, 4096 // m))
             native += timed(lambda: cpu_kernels.bf16_linear(x, w, None), reps)
-            packed += timed(lambda: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""), reps)
+            packed += timed(lambda: cpu_kernels.packed_linear(x, ours, n, k, None), reps)
+            onednn += timed(lambda: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""), reps)
             plain += timed(lambda: F.linear(x, w), reps)
-        flops = 2 * m * sum(n * k for n, k in shapes)
-        print(f"{isa:12s} bf16 gemm rows {m:4d}{'' if m <= 256 else ' (no LM head)'}: {native * 1e3:8.3f} ms "
-              f"({flops / native / 1e9:6.1f} GFLOP/s), oneDNN prepacked {packed * 1e3:8.3f} ms "
-              f"({packed / native:5.2f}x), oneDNN plain {plain * 1e3:8.3f} ms ({plain / native:5.2f}x)")
+        flops = 2 * m * sum(n * k for n, k in layer)
+        print(f"{isa:12s} bf16 gemm rows {m:4d}, one layer: packed {packed * 1e3:7.3f} ms "
+              f"({flops / packed / 1e9:6.1f} GFLOP/s), plain weight {native * 1e3:7.3f} ms "
+              f"({flops / native / 1e9:6.1f}), oneDNN prepacked {onednn * 1e3:7.3f} ms ({onednn / packed:5.2f}x), "
+              f"oneDNN plain {plain * 1e3:7.3f} ms ({plain / packed:5.2f}x)")
+        if m <= 256:  # the LM head sees one row per sequence
+            n, k = SHAPES[-1]
+            x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+            ours = cpu_kernels.pack_bf16_weight(w)
+            head = timed(lambda: cpu_kernels.packed_linear(x, ours, n, k, None), max(3, min(20, 512 // m)))
+            print(f"{isa:12s} bf16 gemm rows {m:4d}, LM head: {head * 1e3:7.3f} ms "
+                  f"({2 * m * n * k / head / 1e9:6.1f} GFLOP/s)")
+
+
+def elementwise(isa: str) -> None:
+    """One decoder layer's kernels besides its products and attention, for a prompt of T tokens: the two
+    RMSNorms (with the residual add), rotary on q and k, the KV write (into pages already touched) and
+    SiLU-and-mul."""
+    dt = torch.bfloat16 if isa == "avx512_bf16" else torch.float32
+    nb, bs, hq, hk, d, inter = 512, 16, 9, 3, 64, 1536
+    for t in (256, 2048):
+        x, res, w = torch.randn(t, hq * d).to(dt), torch.randn(t, hq * d).to(dt), torch.ones(hq * d, dtype=dt)
+        qkv = torch.randn(t, (hq + 2 * hk) * d).to(dt)
+        q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
+        v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+        cos, sin, pos = torch.randn(4096, d), torch.randn(4096, d), torch.arange(t)
+        kv = torch.zeros(kv_cache_shape(nb, bs, hk, d)).to(dt)
+        k_cache, v_cache = split_kv_cache(kv)
+        slots = torch.arange(t)
+        gate_up = torch.randn(t, 2 * inter).to(dt)
+        times = {"2 x rms_norm": 2 * timed(lambda: cpu_kernels.rms_norm(x, w, 1e-5, res)),
+                 "rotary q, k": timed(lambda: cpu_kernels.rope_neox(q, cos, sin, pos))
+                 + timed(lambda: cpu_kernels.rope_neox(k, cos, sin, pos)),
+                 "write_kv": timed(lambda: cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)),
+                 "silu_and_mul": timed(lambda: cpu_kernels.silu_and_mul(gate_up))}
+        print(f"{isa:12s} elementwise {str(dt)[6:]:8s} prompt of {t:4d}: "
+              + ", ".join(f"{name} {sec * 1e3:.3f}" for name, sec in times.items())
+              + f" ms; one layer {sum(times.values()) * 1e3:.3f} ms")
 
 
 def rotating(w: torch.Tensor, nbytes: int = 96 << 20) -> list[torch.Tensor]:
@@ -170,7 +209,7 @@ def attention(isa: str) -> None:
             continue  # bf16 activations are not what dtype auto picks there
         kv = torch.randn(kv_cache_shape(nb, bs, hk, d)).to(kdt)
         k_cache, v_cache = split_kv_cache(kv)
-        q = torch.randn(n, hq, d).to(qdt)
+        q_all = torch.randn(256, hq, d).to(qdt)
         decode_tables = torch.stack([torch.randperm(nb)[:70] for _ in range(n)])
         chunk_table = torch.randperm(nb)[:70].view(1, 70)
         chunk_lens = torch.arange(ctx - n + 1, ctx + 1)
@@ -183,7 +222,10 @@ def attention(isa: str) -> None:
             "chunk tiled": (chunk_table, chunk_lens, torch.zeros(n, dtype=torch.long)),
             "chunk per token": (chunk_table.expand(n, 70).contiguous(), chunk_lens, None),
         }
+        prompt = 256  # one whole prompt attending to itself (causal), in tiles
+        cases[f"prompt of {prompt}"] = (chunk_table, torch.arange(1, prompt + 1), torch.zeros(prompt, dtype=torch.long))
         for name, (tables, lens, index) in cases.items():
+            q = q_all[:len(lens)]
             dt = timed(lambda: cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5,
                                                                   index))
             flops = 4 * hq * d * int(lens.sum())
@@ -194,13 +236,14 @@ def attention(isa: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--isa", nargs="*", default=[i for i in runnable_isas() if i != "generic"])
-    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "quant", "invariant", "attention"], default=None)
+    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "quant", "invariant", "attention", "elementwise"],
+                    default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     for isa in args.isa:
         with isa_override(isa):
             for name, bench in (("gemm", gemm), ("gemm_bf16", gemm_bf16), ("quant", quant),
-                                 ("invariant", invariant), ("attention", attention)):
+                                 ("invariant", invariant), ("attention", attention), ("elementwise", elementwise)):
                 if args.only in (None, name):
                     bench(isa)
 

@@ -403,10 +403,11 @@ def test_bench_serve_reports_every_request(server, tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = parser.parse_args(["--base-url", server, "--api-key", API_KEY, "--num-prompts", "4",
                               "--random-input-len", "16", "--random-output-len", "4", "--request-rate", "20",
-                              "--seed", "0", "--output-json", str(out)])
+                              "--seed", "3", "--output-json", str(out)])
     assert bench_serve.main(args) == 0
     result = json.loads(out.read_text())
     assert result["completed"] == 4 and result["failed"] == 0
+    assert result["seed"] == 3  # what the planner draws the same requests from (calibrate.serve_runs)
     assert result["total_output_tokens"] == 16 and result["total_input_tokens"] == 64
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
     assert "Serving Benchmark Result" in capsys.readouterr().out
