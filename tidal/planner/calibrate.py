@@ -231,9 +231,9 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
     return device, notes
 
 
-SWEEP_WARMUP = 4          # benchmarks/serve_sweep.py's warm-up: 4 requests, all at once ...
-SWEEP_WARMUP_SEED = 10_000  # ... drawn with their own seed
-PROBE_TOKENS = 16    # `tidal bench serve`'s probe before each run: the first prompt's first 16 tokens, 2 out
+SWEEP_WARMUP = 4            # benchmarks/serve_sweep.py's warm-up: 4 requests, all at once ...
+SWEEP_WARMUP_SEED = 10_000  # ... drawn with a seed of their own
+PROBE_TOKENS = 16           # `tidal bench serve`'s probe before each run: the first prompt's first 16 tokens, 2 out
 
 
 def sweep_seed(index: int) -> int:
