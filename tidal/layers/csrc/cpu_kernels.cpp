@@ -717,6 +717,34 @@ static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, co
     const float* s = sin_signed + positions[t] * D;
     for (int64_t h = 0; h < H; ++h) {
       const int64_t src = t * x_stride + h * D, dst = (t * H + h) * D;
+#if defined(TIDAL_VEC)
+      if ((DT == kF32 || DT == kBF16) && half % W == 0) {  // the same operations, W lanes at a time
+        for (int64_t d = 0; d < half; d += W) {
+          const vf x_lo = loadv<DT>(x, src + d), x_hi = loadv<DT>(x, src + half + d);
+          vf c_lo = simd::load(c + d), c_hi = simd::load(c + half + d);
+          vf s_lo = simd::load(s + d), s_hi = simd::load(s + half + d);
+          if constexpr (DT == kBF16) {
+            c_lo = simd::round_bf16(c_lo);
+            c_hi = simd::round_bf16(c_hi);
+            s_lo = simd::round_bf16(s_lo);
+            s_hi = simd::round_bf16(s_hi);
+          }
+          vf a_lo = simd::mul(x_lo, c_lo), a_hi = simd::mul(x_hi, c_hi);
+          if constexpr (DT == kBF16) {
+            a_lo = simd::round_bf16(a_lo);
+            a_hi = simd::round_bf16(a_hi);
+            uint16_t* o = static_cast<uint16_t*>(out) + dst;
+            simd::store_bf16(o + d, simd::fmadd(x_hi, s_lo, a_lo));
+            simd::store_bf16(o + half + d, simd::fmadd(x_lo, s_hi, a_hi));
+          } else {
+            float* o = static_cast<float*>(out) + dst;
+            simd::store(o + d, simd::fmadd(x_hi, s_lo, a_lo));
+            simd::store(o + half + d, simd::fmadd(x_lo, s_hi, a_hi));
+          }
+        }
+        continue;
+      }
+#endif
       for (int64_t d = 0; d < D; ++d) {
         const int64_t sw = d < half ? d + half : d - half;
         float cd = c[d], sd = s[d], xd = load1<DT>(x, src + d), xs = load1<DT>(x, src + sw);
