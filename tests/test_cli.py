@@ -378,3 +378,17 @@ def test_kv_utilization_counts_a_shared_prefix_block_once(tiny_model_dir):
     assert result["prefix_cache_hit_rate"] > 0.5
     # per request: 32 shared tokens + 11..15 own tokens in its third block of 16 slots
     assert 0.4 < result["kv_utilization"] < 0.9
+
+
+def test_bench_serve_against_no_server_says_so_in_one_line():
+    """No server at the URL: one clear line naming it, exit code 1, no traceback."""
+    import socket
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for extra in ((), ("--model", "m")):  # the model asked of the server, then the test request
+        proc = tidal_cli("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2", *extra,
+                         timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert f"127.0.0.1:{port}" in proc.stderr and "tidal bench serve:" in proc.stderr

@@ -166,7 +166,7 @@ async def send_request(session, url: str, model: str, request: dict) -> RequestR
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal to the run
-        result.error = repr(e)
+        result.error = f"{type(e).__name__}: {e}"
         return result
     result.e2e = time.perf_counter() - start
     result.output_tokens = result.output_tokens or chunks
@@ -189,14 +189,18 @@ async def run(args, requests: list[dict]) -> dict:
                                      timeout=aiohttp.ClientTimeout(total=args.timeout)) as client:
         model = args.model
         if model is None:
-            async with client.get(f"{base}/v1/models") as r:
-                r.raise_for_status()
-                model = (await r.json())["data"][0]["id"]
+            try:
+                async with client.get(f"{base}/v1/models") as r:
+                    r.raise_for_status()
+                    model = (await r.json())["data"][0]["id"]
+            except (aiohttp.ClientError, OSError, ValueError, KeyError, IndexError) as e:
+                raise SystemExit(f"tidal bench serve: could not read the served model from {base}/v1/models "
+                                 f"({type(e).__name__}: {e})") from e
         url = f"{base}{args.endpoint}"
         probe = await send_request(client, url, model, {"prompt_token_ids": requests[0]["prompt_token_ids"][:16],
                                                         "max_tokens": 2})
         if not probe.ok:
-            raise RuntimeError(f"the test request failed: {probe.error}")
+            raise SystemExit(f"tidal bench serve: the test request to {url} failed: {probe.error}")
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def limited(request):
