@@ -733,13 +733,14 @@ static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, co
           if constexpr (DT == kBF16) {
             a_lo = simd::round_bf16(a_lo);
             a_hi = simd::round_bf16(a_hi);
-            uint16_t* o = static_cast<uint16_t*>(out) + dst;
-            simd::store_bf16(o + d, simd::fmadd(x_hi, s_lo, a_lo));
-            simd::store_bf16(o + half + d, simd::fmadd(x_lo, s_hi, a_hi));
+          }
+          const vf o_lo = simd::fmadd(x_hi, s_lo, a_lo), o_hi = simd::fmadd(x_lo, s_hi, a_hi);
+          if constexpr (DT == kBF16) {
+            simd::store_bf16(static_cast<uint16_t*>(out) + dst + d, o_lo);
+            simd::store_bf16(static_cast<uint16_t*>(out) + dst + half + d, o_hi);
           } else {
-            float* o = static_cast<float*>(out) + dst;
-            simd::store(o + d, simd::fmadd(x_hi, s_lo, a_lo));
-            simd::store(o + half + d, simd::fmadd(x_lo, s_hi, a_hi));
+            simd::store(static_cast<float*>(out) + dst + d, o_lo);
+            simd::store(static_cast<float*>(out) + dst + half + d, o_hi);
           }
         }
         continue;
