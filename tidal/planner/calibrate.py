@@ -295,7 +295,8 @@ def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
 
     from tidal.planner import report
     runs = serve_runs(results)
-    warmup = sweep_warmup_requests(len(runs[0][0][0]["prompt_token_ids"]), runs[0][0][0]["max_tokens"])
+    first = runs[0][0][0]  # the first run's first request: the warm-up's requests have its lengths
+    warmup = sweep_warmup_requests(len(first["prompt_token_ids"]), first["max_tokens"])
     second = "serve_wide_step_overhead" if device.skinny_max_rows > 0 else "serve_request_overhead"
     device.serve_request_overhead = device.serve_wide_step_overhead = 0.0
 
