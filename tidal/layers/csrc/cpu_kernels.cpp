@@ -74,7 +74,32 @@ template <int DT> static inline vf loadv(const void* p, int64_t i) {  // W value
   else if constexpr (DT == kBF16) return simd::load_bf16(static_cast<const uint16_t*>(p) + i);
   else return simd::load_f16(static_cast<const uint16_t*>(p) + i);
 }
+template <int DT> static inline void storev(void* p, int64_t i, vf v) {  // W values as store1 (fp32, bf16)
+  if constexpr (DT == kF32) simd::store(static_cast<float*>(p) + i, v);
+  else simd::store_bf16(static_cast<uint16_t*>(p) + i, v);
+}
 #endif
+
+// n values of p from element `start`, as fp32 (as load1 each)
+template <int DT> static void widen(const void* p, int64_t start, int64_t n, float* dst) {
+  int64_t i = 0;
+#if defined(TIDAL_VEC)
+  for (; i + W <= n; i += W) simd::store(dst + i, loadv<DT>(p, start + i));
+#endif
+  for (; i < n; ++i) dst[i] = load1<DT>(p, start + i);
+}
+
+// n values src[i] * scale into p from element `start` (as store1 each)
+template <int DT> static void narrow(const float* src, float scale, int64_t n, void* p, int64_t start) {
+  int64_t i = 0;
+#if defined(TIDAL_VEC)
+  if constexpr (DT == kF32 || DT == kBF16) {
+    const vf sv = simd::set1(scale);
+    for (; i + W <= n; i += W) storev<DT>(p, start + i, simd::mul(simd::load(src + i), sv));
+  }
+#endif
+  for (; i < n; ++i) store1<DT>(p, start + i, src[i] * scale);
+}
 
 // Cache layout per layer (one block = block_size tokens):
 //   K [num_blocks, Hk, D, block_size]  (transposed: the scores of 16 tokens are one vector FMA chain)
@@ -542,7 +567,11 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
   int64_t q_row_bytes;
   if constexpr (BF16) {
     uint16_t* qb = reinterpret_cast<uint16_t*>(pairs + R * half);
-    for (int64_t i = 0; i < R * D; ++i) qb[i] = float_to_bf16(qf[i]);  // exact: qf came from bf16
+    int64_t i = 0;  // exact: qf came from bf16
+#if defined(TIDAL_VEC)
+    for (; i + W <= R * D; i += W) simd::store_bf16(qb + i, simd::load(qf + i));
+#endif
+    for (; i < R * D; ++i) qb[i] = float_to_bf16(qf[i]);
     q = qb;
     q_row_bytes = D * 2;
   } else {
@@ -674,8 +703,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
         const int64_t b = order[tile.first + std::min(i, n - 1)];
         lens[i] = i < n ? seq_lens[b] : std::min(seq_lens[b], std::max<int64_t>(tile.shared, 1));
         tabs[i] = table_of(b);
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) qf[(i * G + g) * D + d] = load1<QDT>(q, (b * Hq + h * G + g) * D + d);
+        widen<QDT>(q, (b * Hq + h * G) * D, G * D, qf.data() + i * G * D);  // its G query heads
       }
 #if defined(TIDAL_VEC)
       if (one) {
@@ -695,9 +723,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
       }
       for (int64_t i = 0; i < n; ++i) {
         const int64_t b = order[tile.first + i];
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d)
-            store1<QDT>(out, (b * Hq + h * G + g) * D + d, res[(i * G + g) * D + d] * out_scale);
+        narrow<QDT>(res.data() + i * G * D, out_scale, G * D, out, (b * Hq + h * G) * D);
       }
     }
   }
