@@ -197,7 +197,11 @@ def test_packed_gemm_gives_the_blocked_gemms_bits_for_any_number_of_rows(isa, n,
     bias = torch.randn(n).bfloat16()
     packed = cpu_kernels.pack_bf16_weight(w)
     ids = torch.tensor([[0, n - 1], [n // 2, 5]])
-    assert torch.equal(cpu_kernels.unpack_bf16_rows(packed, ids, k), w[ids])
+    assert torch.equal(cpu_kernels.unpack_bf16_rows(packed, ids, k), w[ids])  # natively
+    assert torch.equal(cpu_kernels.unpack_bf16_rows(packed, ids.int(), k), w[ids])  # torch's gather
+    assert torch.equal(cpu_kernels.unpack_bf16_weight(packed, n, k), w)
+    with pytest.raises(IndexError):
+        cpu_kernels.unpack_bf16_rows(packed, torch.tensor([0, packed.shape[0] * 16]), k)
     param = torch.nn.Parameter(packed, requires_grad=False)
     param.bf16_packed = (n, k)
     if isa != "avx512_bf16":

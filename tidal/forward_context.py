@@ -7,7 +7,6 @@ model's forward and another for the LM head over the rows that sample.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +41,21 @@ class ForwardContext:
 _CONTEXT: ForwardContext | None = None
 
 
-@contextmanager
-def set_forward_context(context: ForwardContext):
-    global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, context
-    try:
-        yield
-    finally:
-        _CONTEXT = prev
+class set_forward_context:
+    """`with set_forward_context(ctx):` layers called inside read ctx (a plain class rather than a
+    generator context manager: it is entered twice on every step)."""
+    __slots__ = ("context", "prev")
+
+    def __init__(self, context: ForwardContext) -> None:
+        self.context, self.prev = context, None
+
+    def __enter__(self) -> None:
+        global _CONTEXT
+        self.prev, _CONTEXT = _CONTEXT, self.context
+
+    def __exit__(self, *exc) -> None:
+        global _CONTEXT
+        _CONTEXT = self.prev
 
 
 def get_forward_context() -> ForwardContext:

@@ -214,6 +214,8 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_skinny_gemm_bf16_ordered.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16_packed.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_unpack_bf16_rows.restype = ctypes.c_int
+    lib.tidal_unpack_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
     for name in ("tidal_gemm_bf16_rows", "tidal_linear_f32_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
@@ -300,6 +302,14 @@ def unpack_bf16_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.
     """Rows `rows` (any shape of indices) of the weight `packed` holds, bf16 [..., k]: an embedding lookup
     in a table packed for the LM head it is tied to."""
     flat = rows.reshape(-1)
+    lib = _GEMM_LIB.get() if packed.device.type == "cpu" and flat.dtype == torch.int64 else None
+    if lib is not None:  # a copy of each row's 64-byte-strided pairs; torch's gather costs ~0.1 ms per call
+        flat = flat.contiguous()
+        out = torch.empty(flat.shape[0], k, dtype=torch.bfloat16)
+        if lib.tidal_unpack_bf16_rows(packed.data_ptr(), flat.data_ptr(), flat.shape[0], packed.shape[0] * 16, k,
+                                      out.data_ptr()) != 0:
+            raise IndexError(f"an id of {rows.tolist()} is outside the table's {packed.shape[0] * 16} rows")
+        return out.reshape(*rows.shape, k)
     picked = packed[flat // 16, :, flat % 16]  # [len, ceil(k / 2)] pairs
     return picked.contiguous().view(torch.bfloat16)[:, :k].reshape(*rows.shape, k)
 

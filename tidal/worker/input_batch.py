@@ -78,6 +78,9 @@ class InputBatch:
         self._np = {name: getattr(self, name).numpy() for name in ("_input_ids", "_positions", "_slot_mapping",
                                                                     "_token_rows", "_token_seq_lens")}
         self._arange = np.arange(max(n, max_num_seqs) + 1, dtype=np.int64)
+        # a single decode's inputs: the first element of each buffer (views made once)
+        self._one_decode = tuple(t[:1] for t in (self._input_ids, self._positions, self._slot_mapping,
+                                                  self._token_rows, self._token_seq_lens))
 
     # -- deltas from the scheduler ------------------------------------------------------------------
     def update(self, so: SchedulerOutput) -> list[str]:
@@ -177,7 +180,7 @@ class InputBatch:
         views["_token_rows"][0] = row
         views["_token_seq_lens"][0] = pos + 1
         views["_slot_mapping"][0] = self.block_table[row, pos // bs] * bs + pos % bs
+        input_ids, positions, slots, token_rows, token_seq_lens = self._one_decode
         return StepInputs([r], np.array([row], dtype=np.int64), 1, 1, self._arange[:2],
-                          np.array([pos + 1], dtype=np.int64), self._input_ids[:1], self._positions[:1],
-                          self._slot_mapping[:1], self._token_rows[:1], self._block_table, bs,
-                          self._token_seq_lens[:1], pos + 1)
+                          np.array([pos + 1], dtype=np.int64), input_ids, positions, slots, token_rows,
+                          self._block_table, bs, token_seq_lens, pos + 1)

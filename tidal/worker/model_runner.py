@@ -66,23 +66,30 @@ class ModelClock:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
         self._events: list = []
+        self._t0, self._start = 0.0, None
 
     def reset(self) -> None:
         self.seconds = 0.0
         self._events.clear()
 
-    @contextlib.contextmanager
-    def timed(self):
+    def timed(self) -> ModelClock:
+        """`with clock.timed():` adds the block's time (one block at a time)."""
+        return self
+
+    def __enter__(self) -> None:
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((start, end))
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
         else:
-            t0 = time.perf_counter()
-            yield
-            self.seconds += time.perf_counter() - t0
+            self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._start, end))
+        else:
+            self.seconds += time.perf_counter() - self._t0
 
     def total(self) -> float:
         for start, end in self._events:
@@ -119,6 +126,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(gen_device).manual_seed(seed)
         self.sampler = Sampler(self.default_generator)  # seeded rows need no generator of their own
         self.num_blocks = 0
+        self._lm_head_contexts: dict[tuple[int, bool], ForwardContext] = {}  # _compute_logits' by rows, mode
         self._clock = ModelClock(self.device)  # the model time of the run in progress (reset by each run)
 
     @classmethod
@@ -286,14 +294,17 @@ class ModelRunner:
         # rows whose logits we need: each sampling request's last known token and its drafts
         reqs, starts = step.reqs, step.query_start_loc
         sample_reqs = [(i, r) for i, r in enumerate(reqs) if r.sample]
-        rows = []
-        for i, r in sample_reqs:
-            k = len(r.spec_token_ids)
-            first = int(starts[i + 1]) - 1 - k
-            rows.extend(range(first, first + k + 1))
+        if step.num_decodes == step.num_tokens == len(sample_reqs):  # decodes only, no drafts: every row
+            rows = range(step.num_tokens)
+        else:
+            rows = []
+            for i, r in sample_reqs:
+                k = len(r.spec_token_ids)
+                first = int(starts[i + 1]) - 1 - k
+                rows.extend(range(first, first + k + 1))
         if rows:
             # every token samples (decodes): no gather
-            picked = hidden if len(rows) == step.num_tokens else hidden[self._on_device(rows)]
+            picked = hidden if len(rows) == step.num_tokens else hidden[self._on_device(list(rows))]
             logits = self._compute_logits(picked)
             sample_only = [r for _, r in sample_reqs]
             result = self.sampler(logits, self._sampling_metadata(so, sample_only, logits.shape[-1]))
@@ -334,8 +345,12 @@ class ModelRunner:
         """The LM head over the rows that sample: one row per request (or per draft), never a prompt's
         other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm). In the model's
         dtype: the sampler widens them where it needs to."""
-        with set_forward_context(ForwardContext(hidden.shape[0], hidden.shape[0], [], skinny_gemm=True,
-                                                batch_invariant=self.batch_invariant)), self._clock.timed():
+        n, invariant = hidden.shape[0], self.batch_invariant
+        ctx = self._lm_head_contexts.get((n, invariant))
+        if ctx is None:  # the layers only read it: one per row count
+            ctx = self._lm_head_contexts[n, invariant] = ForwardContext(n, n, [], skinny_gemm=True,
+                                                                        batch_invariant=invariant)
+        with set_forward_context(ctx), self._clock.timed():
             return self.model.compute_logits(hidden)
 
     @staticmethod
