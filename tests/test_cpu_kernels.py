@@ -360,5 +360,5 @@ def test_argmax_rows_matches_torch_and_takes_the_first_maximum(dtype, vocab):
     x[7, 0] = float("nan")                 # a NaN never wins
     want = x.float().nan_to_num(nan=-float("inf")).argmax(-1)
     got = cpu_kernels.argmax_rows(x)
-    assert got is not None and torch.equal(got, want)
+    assert got == want.tolist()
     assert got[3] == 0

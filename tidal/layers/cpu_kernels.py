@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 
+import numpy as np
 import torch
 
 from tidal.layers import quant_kernels
@@ -154,17 +155,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return True
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """torch.argmax(x, -1) for a contiguous fp32 or bf16 CPU tensor [R, V] (the first index of each row's
-    maximum), read once in its own dtype: greedy sampling without widening the logits to fp32 first.
-    None where the native kernel does not apply."""
+def argmax_rows(x: torch.Tensor) -> list[int] | None:
+    """torch.argmax(x, -1).tolist() for a contiguous fp32 or bf16 CPU tensor [R, V] (the first index of each
+    row's maximum), read once in its own dtype: greedy sampling without widening the logits to fp32 first,
+    and without a torch tensor for the result. None where the native kernel does not apply."""
     lib = _lib_for(x)
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
         return None
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    lib.tidal_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), _DTYPES[x.dtype],
+    out = np.empty(x.shape[0], dtype=np.int64)
+    lib.tidal_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.ctypes.data, _DTYPES[x.dtype],
                           torch.get_num_threads())
-    return out
+    return out.tolist()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

@@ -195,7 +195,9 @@ class Sampler:
             # plain greedy: the argmax of the logits as they are (exact: widening preserves the order),
             # natively over bf16 on CPU without the fp32 copy
             tokens = cpu_kernels.argmax_rows(logits)
-            return _read_back(logits.argmax(-1) if tokens is None else tokens, None, meta.num_logprobs)
+            if tokens is None:
+                return _read_back(logits.argmax(-1), None, meta.num_logprobs)
+            return SamplerOutput(tokens, [None] * len(meta.num_logprobs))
         logits = logits.float()
         if meta.grammar_bitmask is not None:
             apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)

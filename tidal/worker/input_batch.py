@@ -107,10 +107,13 @@ class InputBatch:
             row = state.row
             if sr.num_rolled_back_blocks:
                 self.num_blocks[row] -= sr.num_rolled_back_blocks
-            if sr.new_token_ids:
+            if new := sr.new_token_ids:
                 n = int(self.num_tokens[row])
-                self.token_ids[row, n:n + len(sr.new_token_ids)] = sr.new_token_ids
-                self.num_tokens[row] = n + len(sr.new_token_ids)
+                if len(new) == 1:  # a decode's token: a scalar write costs less than a slice's
+                    self.token_ids[row, n] = new[0]
+                else:
+                    self.token_ids[row, n:n + len(new)] = new
+                self.num_tokens[row] = n + len(new)
             if sr.new_block_ids:
                 b = int(self.num_blocks[row])
                 self.block_table[row, b:b + len(sr.new_block_ids)] = sr.new_block_ids
