@@ -307,9 +307,11 @@ def unpack_bf16_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.
     if lib is not None:  # a copy of each row's 64-byte-strided pairs; torch's gather costs ~0.1 ms per call
         flat = flat.contiguous()
         out = torch.empty(flat.shape[0], k, dtype=torch.bfloat16)
-        if lib.tidal_unpack_bf16_rows(packed.data_ptr(), flat.data_ptr(), flat.shape[0], packed.shape[0] * 16, k,
+        n_rows = packed.shape[0] * 16
+        if lib.tidal_unpack_bf16_rows(packed.data_ptr(), flat.data_ptr(), flat.shape[0], n_rows, k,
                                       out.data_ptr()) != 0:
-            raise IndexError(f"an id of {rows.tolist()} is outside the table's {packed.shape[0] * 16} rows")
+            bad = int(flat[(flat < 0) | (flat >= n_rows)][0])
+            raise IndexError(f"row {bad} is outside the table's {n_rows} rows")
         return out.reshape(*rows.shape, k)
     picked = packed[flat // 16, :, flat % 16]  # [len, ceil(k / 2)] pairs
     return picked.contiguous().view(torch.bfloat16)[:, :k].reshape(*rows.shape, k)
