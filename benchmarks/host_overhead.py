@@ -1,7 +1,7 @@
 """Host time per engine step: everything but the model's forward (and LM head).
 
     python benchmarks/host_overhead.py [--workload offline|single|shared_prefix] [--model DIR]
-        [--dtype float32] [--tensor-parallel-size 2] [--pipeline-parallel-size 2] [--batch-invariant]
+        [--dtype float32] [--repeat 5] [--tensor-parallel-size 2] [--pipeline-parallel-size 2] [--batch-invariant]
 
 Runs one workload of benchmarks/peers/workload.py (greedy, ignore_eos) through `LLMEngine.step` and
 times each step end to end; in one process the model's `forward` and `compute_logits` are timed too
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -32,6 +33,9 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measured runs (each on an emptied prefix cache); host time is reported per run and "
+                         "as their median: on a noisy machine one run's figure moves by tens of percent")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                     help="batch-invariant mode (docs/batch_invariance.md); default: the engine's (on where supported)")
     args = ap.parse_args()
@@ -78,8 +82,18 @@ def main() -> None:
 
     warm_kw = {"offline": dict(n=16), "shared_prefix": dict(n=8), "single": {}}[args.workload]
     run(workload.WORKLOADS[args.workload](seed=1000, **warm_kw))
-    engine.reset_prefix_cache() if hasattr(engine, "reset_prefix_cache") else None
-    res = run(workload.WORKLOADS[args.workload]())
+    runs = []
+    for _ in range(max(1, args.repeat)):
+        engine.reset_prefix_cache()
+        runs.append(run(workload.WORKLOADS[args.workload]()))
+    res = runs[0]
+    if len(runs) > 1:
+        for key in ("wall_s", "step_ms", "model_ms_per_step", "host_ms_per_step", "host_share"):
+            if key in res:
+                values = [r[key] for r in runs]
+                res[key] = round(statistics.median(values), 4 if key == "host_share" else 3)
+                res[f"{key}_runs"] = values
+        res["gen_tok_s"] = round(statistics.median(r["gen_tok_s"] for r in runs), 1)
     res["rss_mb"] = round(resident_bytes() / 2**20, 1)  # the engine's process (with the model, in one process)
     print("RESULT " + json.dumps({"workload": args.workload, "dtype": args.dtype,
                                   "tp": args.tensor_parallel_size, "pp": args.pipeline_parallel_size,
