@@ -358,7 +358,13 @@ def test_argmax_rows_matches_torch_and_takes_the_first_maximum(dtype, vocab):
     x[5, vocab // 2] = x[5].max() + 1      # a maximum in the middle
     x[6, -1] = x[6].max() + 1              # ... and in the tail
     x[7, 0] = float("nan")                 # a NaN never wins
+    x[8, :] = float("nan")                 # a row of NaNs: 0, as torch gives with NaNs as -inf
+    x[9, :vocab // 2 + 1] = float("nan")   # NaNs, then -inf (the first number) past the middle
+    x[9, vocab // 2 + 1:] = -float("inf")
     want = x.float().nan_to_num(nan=-float("inf")).argmax(-1)
+    want[9] = vocab // 2 + 1
     got = cpu_kernels.argmax_rows(x)
     assert got == want.tolist()
     assert got[3] == 0
+    for r in (3, 5, 6, 7, 8, 9):  # one row alone: on one thread, or split between threads when it is long
+        assert cpu_kernels.argmax_rows(x[r:r + 1].contiguous()) == [want[r].item()]
