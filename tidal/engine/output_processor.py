@@ -142,8 +142,9 @@ class OutputProcessor:
         if request.first_scheduled_time is not None and (m.first_scheduled_time is None
                                                          or request.first_scheduled_time < m.first_scheduled_time):
             m.first_scheduled_time = request.first_scheduled_time
-        sample.num_preemptions = request.num_preemptions
-        m.num_preemptions = sum(s.num_preemptions for s in state.samples)
+        if sample.num_preemptions != request.num_preemptions:
+            sample.num_preemptions = request.num_preemptions
+            m.num_preemptions = sum(s.num_preemptions for s in state.samples)
         if request.num_draft_tokens:
             sample.num_draft_tokens, sample.num_accepted_tokens = request.num_draft_tokens, request.num_accepted_tokens
             m.num_draft_tokens = sum(s.num_draft_tokens for s in state.samples)
