@@ -216,7 +216,7 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_gemm_bf16_packed.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_unpack_bf16_rows.restype = ctypes.c_int
-    lib.tidal_unpack_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    lib.tidal_unpack_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
     for name in ("tidal_gemm_bf16_rows", "tidal_linear_f32_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2
@@ -308,8 +308,8 @@ def unpack_bf16_rows(packed: torch.Tensor, rows: torch.Tensor, k: int) -> torch.
         flat = flat.contiguous()
         out = torch.empty(flat.shape[0], k, dtype=torch.bfloat16)
         n_rows = packed.shape[0] * 16
-        if lib.tidal_unpack_bf16_rows(packed.data_ptr(), flat.data_ptr(), flat.shape[0], n_rows, k,
-                                      out.data_ptr()) != 0:
+        if lib.tidal_unpack_bf16_rows(packed.data_ptr(), flat.data_ptr(), flat.shape[0], n_rows, k, out.data_ptr(),
+                                      torch.get_num_threads()) != 0:
             bad = int(flat[(flat < 0) | (flat >= n_rows)][0])
             raise IndexError(f"row {bad} is outside the table's {n_rows} rows")
         return out.reshape(*rows.shape, k)

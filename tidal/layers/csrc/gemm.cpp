@@ -719,12 +719,15 @@ int tidal_linear_f32_rows(const void* x, const void* w, void* fn, int format, co
 }
 // Rows ids[0, n) of a weight [rows, k] held packed (pack_bf16_weight: pair p of row 16t + i at 32-bit word
 // (t * pairs + p) * 16 + i) as plain bf16 rows out [n, k]: an embedding lookup in a table packed for the
-// LM head tied to it. Returns -1 (writing nothing) when an id is outside [0, rows).
-int tidal_unpack_bf16_rows(const void* packed, const int64_t* ids, int64_t n, int64_t rows, int64_t k, void* out) {
+// LM head tied to it (each row: k / 2 words 64 bytes apart). Returns -1 (writing nothing) when an id is
+// outside [0, rows).
+int tidal_unpack_bf16_rows(const void* packed, const int64_t* ids, int64_t n, int64_t rows, int64_t k, void* out,
+                           int num_threads) {
   for (int64_t r = 0; r < n; ++r)
     if (ids[r] < 0 || ids[r] >= rows) return -1;
   const int64_t pairs = (k + 1) / 2;
   const uint32_t* words = static_cast<const uint32_t*>(packed);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= 16)
   for (int64_t r = 0; r < n; ++r) {
     const uint32_t* src = words + (ids[r] / 16) * pairs * 16 + ids[r] % 16;
     uint16_t* dst = static_cast<uint16_t*>(out) + r * k;
