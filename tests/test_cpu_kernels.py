@@ -368,3 +368,18 @@ def test_argmax_rows_matches_torch_and_takes_the_first_maximum(dtype, vocab):
     assert got[3] == 0
     for r in (3, 5, 6, 7, 8, 9):  # one row alone: on one thread, or split between threads when it is long
         assert cpu_kernels.argmax_rows(x[r:r + 1].contiguous()) == [want[r].item()]
+
+
+def test_argmax_rows_from_several_threads_each_get_their_own_rows():
+    """The result buffer is reused per row count within a thread: threads calling at once never see each
+    other's results."""
+    from concurrent.futures import ThreadPoolExecutor
+    torch.manual_seed(1)
+    inputs = [torch.randn(rows, 4096).bfloat16() for rows in (1, 1, 2, 2, 3, 1, 2, 3)]
+    wants = [x.float().argmax(-1).tolist() for x in inputs]
+
+    def check(i: int) -> bool:
+        return all(cpu_kernels.argmax_rows(inputs[i]) == wants[i] for _ in range(200))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(check, range(len(inputs))))

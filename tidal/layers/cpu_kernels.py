@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ def describe() -> str:
 
 def _lib_for(t: torch.Tensor) -> ctypes.CDLL | None:
     """The library for a kernel over t: None (not even built) unless t is on the CPU."""
-    return native_lib() if t.device.type == "cpu" else None
+    return native_lib() if t.is_cpu else None
 
 
 def _cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -162,10 +163,17 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     lib = _lib_for(x)
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
         return None
-    out = np.empty(x.shape[0], dtype=np.int64)
-    lib.tidal_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.ctypes.data, _DTYPES[x.dtype],
-                          torch.get_num_threads())
-    return out.tolist()
+    rows = x.shape[0]
+    buffers = _ARGMAX_OUT.__dict__
+    out = buffers.get(rows)
+    if out is None:  # one result buffer per row count and thread, its address read once
+        array = np.empty(rows, dtype=np.int64)
+        out = buffers[rows] = (array, array.ctypes.data)
+    lib.tidal_argmax_rows(x.data_ptr(), rows, x.shape[1], out[1], _DTYPES[x.dtype], torch.get_num_threads())
+    return out[0].tolist()
+
+
+_ARGMAX_OUT = threading.local()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

@@ -269,11 +269,11 @@ class ModelRunner:
         """Apply the step's deltas (new requests, appended tokens and blocks, finished ones)."""
         self.input_batch.update(so)
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        self.update_states(so)
-        self.restore_states(so.scheduled)
-        return self.run(so.scheduled, so)
+        with torch._C._InferenceMode(True):  # torch.inference_mode's own guard, without its Python wrapper
+            self.update_states(so)
+            self.restore_states(so.scheduled)
+            return self.run(so.scheduled, so)
 
     def run(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None = None,
             compute_logits: bool = True) -> RunnerOutput:
