@@ -53,6 +53,32 @@ def test_write_kv_matches_indexing(dtype):
     assert torch.equal(kv, expected)
 
 
+def test_fp32_rows_written_into_a_bf16_cache_keep_every_nan():
+    """NaNs of any payload stay NaNs in a bf16 cache, as 0x7fc0 (c10's scalar conversion; torch's vector one
+    writes 0xffff): rounding the fp32 bits to nearest would carry a payload of all ones into the sign (-0.0)
+    or past bit 31 (+0.0)."""
+    nb, hk, bs, d = 4, 1, 4, 32
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=torch.bfloat16)
+    k_cache, v_cache = split_kv_cache(kv)
+    bits = torch.randn(2, hk, d).view(torch.int32)
+    payloads = [0x7FFFFFFF, -1, 0x7FC00000, 0x7F800001, 0x7FFF8000, -0x00008000]  # -1: 0xFFFFFFFF
+    for i, p in enumerate(payloads):
+        bits[0, 0, 3 * i] = p
+        bits[1, 0, 3 * i + 1] = p
+    k = bits.view(torch.float32)
+    v = k.flip(-1).contiguous()
+    slots = torch.tensor([1, 6])
+    assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    got_k = k_cache[slots // bs, :, :, slots % bs]
+    got_v = v_cache[slots // bs, :, slots % bs, :]
+    for got, x in ((got_k, k), (got_v, v)):
+        nan = torch.isnan(x)
+        assert int(nan.sum()) == 2 * len(payloads)
+        assert torch.equal(torch.isnan(got), nan)
+        assert (got.view(torch.int16)[nan] == 0x7FC0).all()  # c10's scalar conversion's NaN
+        assert torch.equal(got[~nan], x[~nan].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_decode_matches_torch(dtype):
     torch.manual_seed(0)
