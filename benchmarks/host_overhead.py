@@ -1,6 +1,6 @@
 """Host time per engine step: everything but the model's forward (and LM head).
 
-    python benchmarks/host_overhead.py [--workload offline|single|shared_prefix] [--model DIR]
+    python benchmarks/host_overhead.py [--workload offline|single|shared_prefix|prefill] [--model DIR]
         [--dtype float32] [--repeat 5] [--tensor-parallel-size 2] [--pipeline-parallel-size 2] [--batch-invariant]
         [--cached-forward]
 
@@ -11,9 +11,9 @@ detokenizing, outputs), and the process's resident memory at the end is reported
 tensor/pipeline parallelism only whole steps are timed (the forward runs in the workers). Prints one
 JSON line starting with "RESULT ".
 
---cached-forward: after the warm-up, the model's forward and LM head return the output they gave for the
-same input shape (computing it the first time only), so a step is the host's work alone and the caches
-stay warm. The tokens are then not the model's (greedy over the same logits); the host work per step is
+--cached-forward: the model's forward and LM head return the output they gave for the same input shape
+(computing it the first time only, from the warm-up on), so a step is the host's work alone and the
+caches stay warm. The tokens are then not the model's (greedy over the same logits); the host work per step is
 the same code. A shape the warm-up did not run is computed in the first measured run: take the median
 of --repeat 3 or more. With the forward, the host's code and data are fetched again from memory after
 each forward has streamed the weights through the caches: the difference between the two is that cost.
@@ -45,7 +45,7 @@ def main() -> None:
                     help="measured runs (each on an emptied prefix cache); host time is reported per run and "
                          "as their median: on a noisy machine one run's figure moves by tens of percent")
     ap.add_argument("--cached-forward", action="store_true",
-                    help="after the warm-up, the forward and LM head return cached outputs per input shape: "
+                    help="the forward and LM head return the output of their first call per input shape: "
                          "the host's work alone, on warm caches")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                     help="batch-invariant mode (docs/batch_invariance.md); default: the engine's (on where supported)")
