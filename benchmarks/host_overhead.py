@@ -96,8 +96,7 @@ def main() -> None:
             sys.exit("--cached-forward needs the model in this process (no tensor or pipeline parallelism)")
         for name in ("forward", "compute_logits"):
             setattr(model, name, cached_by_shape(getattr(model, name)))
-    warm_kw = {"offline": dict(n=16), "shared_prefix": dict(n=8), "single": {}, "prefill": dict(n=8)}[args.workload]
-    run(workload.WORKLOADS[args.workload](seed=1000, **warm_kw))
+    run(workload.warm_up(args.workload))
     runs = []
     for _ in range(max(1, args.repeat)):
         engine.reset_prefix_cache()

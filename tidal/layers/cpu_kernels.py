@@ -156,6 +156,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return True
 
 
+_ARGMAX_OUT = threading.local()  # argmax_rows' result buffers: {row count: (array, its address)} per thread
+
+
 def argmax_rows(x: torch.Tensor) -> list[int] | None:
     """torch.argmax(x, -1).tolist() for a contiguous fp32 or bf16 CPU tensor [R, V] (the first index of each
     row's maximum), read once in its own dtype: greedy sampling without widening the logits to fp32 first,
@@ -171,9 +174,6 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
         out = buffers[rows] = (array, array.ctypes.data)
     lib.tidal_argmax_rows(x.data_ptr(), rows, x.shape[1], out[1], _DTYPES[x.dtype], torch.get_num_threads())
     return out[0].tolist()
-
-
-_ARGMAX_OUT = threading.local()
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
