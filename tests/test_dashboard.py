@@ -1,12 +1,15 @@
-"""The live dashboard (/dashboard): its engine snapshot and metric history on their own, then a real
-`tidal serve` (the default model, with an API key) over plain HTTP, then the page itself in a real
-headless Chromium driven by Selenium."""
+"""The live dashboard (/dashboard): its engine snapshot, the batch of each step and the metric history on
+their own, then a real `tidal serve` (the default model, with an API key) over plain HTTP, then the page
+itself in a real headless Chromium driven by Selenium."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import pickle
 import shutil
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,7 +19,7 @@ from tests.helpers import running_server
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
 from tidal.engine.snapshot import engine_snapshot
-from tidal.engine.stats import EngineStats
+from tidal.engine.stats import STEP_HISTORY, EngineStats
 from tidal.metrics import ServerMetrics
 from tidal.metrics_history import MetricsHistory, histogram_quantile
 from tidal.request import Request
@@ -91,6 +94,127 @@ def test_snapshot_groups_blocks_of_a_large_pool():
     kv = engine_snapshot(engine, max_cells=10)["kv"]
     assert kv["blocks_per_cell"] == 10 and len(kv["cells"]) == len(kv["owner"]) == 10
     assert kv["cells"][0] == "u" and kv["owner"][0] == 0 and set(kv["cells"][1:]) == {"f"}
+
+
+# -- the batch of each step ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    """A real LLMEngine on a tiny random llama: a step budget of 16 tokens, so a longer prompt is chunked."""
+    from tests.helpers import tiny_llm
+    return tiny_llm(tiny_model_dir(), max_model_len=128, block_size=4, max_num_batched_tokens=16).llm_engine
+
+
+def _add(engine, request_id: str, num_prompt: int, max_tokens: int) -> None:
+    prompt = [3 + (7 * i + 31 * sum(map(ord, request_id))) % 400 for i in range(num_prompt)]  # no shared prefix
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _batches(steps) -> list[tuple[int, int, int]]:
+    return [(prefill, decode, n) for _, _, prefill, decode, n in steps]
+
+
+def test_snapshot_lists_the_batch_of_every_step_since_the_last_one(tiny_engine):
+    engine = tiny_engine
+    start, prompt_tokens = engine.stats.num_steps, engine.stats.num_prompt_tokens
+    assert engine_snapshot(engine, since=start)["steps"] == []
+    _add(engine, "a", 10, 4)
+    engine.step()  # a's prompt
+    _add(engine, "b", 20, 2)
+    while engine.has_unfinished_requests():
+        engine.step()
+    snap = engine_snapshot(engine, since=start)
+    steps = snap["steps"]
+    # every step, in order: a prompt step counts its prompt tokens as prefill, a decode step one token per
+    # running request; b's 20-token prompt is chunked into the 16-token budget beside a's decodes
+    assert [s[0] for s in steps] == list(range(start + 1, engine.stats.num_steps + 1))
+    assert _batches(steps) == [(10, 0, 1), (15, 1, 2), (5, 1, 2), (0, 2, 2)]
+    assert sum(s[2] for s in steps) == engine.stats.num_prompt_tokens - prompt_tokens == 30
+    assert snap["step"] == {"num": steps[-1][0], "prefill_tokens": 0, "decode_tokens": 2, "num_requests": 2}
+    assert all(snap["time"] - 60 < s[1] <= snap["time"] + 1e-3 for s in steps)  # the time each step ended
+    assert [s[1] for s in steps] == sorted(s[1] for s in steps)
+    # `since`: only the newer steps; none once caught up
+    assert engine_snapshot(engine, since=steps[2][0])["steps"] == steps[3:]
+    assert engine_snapshot(engine, since=steps[-1][0])["steps"] == []
+
+
+def _fake_batch(prefill: int, decode: int) -> SimpleNamespace:
+    """What record_step reads of a batch: one request computing `prefill` prompt tokens, and `decode`
+    requests decoding one token each."""
+    scheduled = [SimpleNamespace(num_tokens=prefill, num_prompt_tokens=prefill, start_pos=0)] if prefill else []
+    scheduled += [SimpleNamespace(num_tokens=1, num_prompt_tokens=5, start_pos=9)] * decode
+    return SimpleNamespace(scheduled=scheduled, num_batched_tokens=prefill + decode)
+
+
+def test_step_history_is_a_bounded_ring_that_stays_in_the_engine_process():
+    from tidal.engine.core_process import _DECODER, _ENCODER, CoreMessage
+    engine = _Engine()
+    stats = engine.stats
+    assert stats.steps_since(0) == [] and stats.step_history is None
+    for i in range(STEP_HISTORY + 10):
+        stats.record_step(_fake_batch(i % 7, i % 3), i % 3, engine.scheduler, engine.kv_manager)
+    steps = stats.steps_since(0)
+    assert len(stats.step_history) == len(steps) == STEP_HISTORY  # bounded: the oldest ten are gone
+    assert [s[0] for s in steps] == list(range(11, STEP_HISTORY + 11))
+    assert all((s[2], s[3], s[4]) == ((s[0] - 1) % 7, (s[0] - 1) % 3, bool((s[0] - 1) % 7) + (s[0] - 1) % 3)
+               for s in steps)
+    assert stats.steps_since(STEP_HISTORY + 7) == steps[-3:] and stats.steps_since(10**9) == []
+    # the stats go to the server process after every step (msgspec): the ring does not travel with them
+    data = _ENCODER.encode(CoreMessage("step", stats=stats))
+    assert len(data) < 1000
+    copy = _DECODER.decode(data).stats
+    assert copy.num_steps == stats.num_steps and copy.step_history is None and copy.steps_since(0) == []
+
+
+class _InlineLLM:
+    """call_in_engine as a core process runs it: the function and its answer pickled across, the engine
+    read between two steps (here: between the test's own engine.step() calls)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    async def call_in_engine(self, fn):
+        return pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(fn))(self.engine)))
+
+
+def _parse(event: str) -> tuple[str, dict]:
+    head, data = event.strip().split("\n")
+    return head.removeprefix("event: "), json.loads(data.removeprefix("data: "))
+
+
+def test_each_event_stream_sends_every_step_once(tiny_engine):
+    from tidal.entrypoints.openai.dashboard import Dashboard
+    engine = tiny_engine
+
+    def run(n: int) -> list[int]:
+        _add(engine, f"r{engine.stats.num_steps}", 3, n)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return list(range(engine.stats.num_steps - n + 1, engine.stats.num_steps + 1))
+
+    async def main():
+        dashboard = Dashboard(_InlineLLM(engine), None, None)
+        a, b = dashboard.events(0.1), dashboard.events(0.1)
+        assert _parse(await anext(a))[0] == "hello"
+        kind, first = _parse(await anext(a))
+        assert kind == "state" and first["steps"] == [list(s) for s in engine_snapshot(engine)["steps"]]
+        seen_a = [s[0] for s in first["steps"]]
+        new1 = run(3)  # a prompt step and two decodes
+        kind, state = _parse(await anext(a))
+        assert [s[0] for s in state["steps"]] == new1 and _batches(state["steps"]) == [(3, 0, 1), (0, 1, 1), (0, 1, 1)]
+        seen_a += new1
+        assert _parse(await anext(b))[0] == "hello"  # a second page opens: it gets all the steps kept
+        assert [s[0] for s in _parse(await anext(b))[1]["steps"]] == seen_a[-STEP_HISTORY:]
+        new2 = run(2)
+        for stream in (a, b):  # both see the newer steps, once
+            assert [s[0] for s in _parse(await anext(stream))[1]["steps"]] == new2
+        for stream in (a, b):
+            assert _parse(await anext(stream))[1]["steps"] == []  # nothing new
+        await a.aclose()
+        await b.aclose()
+        assert dashboard.steps_since(new2[0]) == [list(s) for s in engine_snapshot(engine, since=new2[0])["steps"]]
+
+    asyncio.run(main())
 
 
 def test_histogram_quantile_interpolates_like_prometheus():
@@ -228,6 +352,42 @@ def test_event_stream_sends_hello_then_states(server):
     assert len(states) >= 2 and all("kv" in s and "totals" in s for s in states)
 
 
+def test_event_stream_shows_each_step_of_a_request_once(server):
+    """Through the engine-core process: the state events list every step of a request, once each, with
+    its batch (one prompt step, then one decode token a step), and /dashboard/snapshot?since= the newer."""
+    before = _metrics(server)
+    max_tokens = 12
+    token = httpx.get(f"{server}/dashboard/token", headers=_auth()).json()["token"]
+    with httpx.stream("GET", f"{server}/dashboard/events", params={"token": token, "interval": 0.1},
+                      timeout=120) as r:
+        lines = r.iter_lines()
+        hello, first = _events(lines, 2)
+        assert hello[0] == "hello" and first[0] == "state"
+        start = first[1]["step"]["num"]
+        assert [s[0] for s in first[1]["steps"]][-1:] == ([start] if start else [])  # the steps kept so far
+        worker = threading.Thread(target=_complete, args=(server, "Each step of this request, once", max_tokens))
+        worker.start()
+        steps, last = [], None
+        try:
+            while last is None or not steps or steps[-1][0] < last:
+                got = _events(lines, 1)
+                assert got, "the event stream ended"
+                kind, data = got[0]
+                if kind == "state":
+                    steps += data["steps"]
+                if last is None and not worker.is_alive():  # the request is done: the engine's last step
+                    last = httpx.get(f"{server}/dashboard/snapshot", headers=_auth()).json()["step"]["num"]
+        finally:
+            worker.join()
+    after = _metrics(server)
+    nums = [s[0] for s in steps]
+    assert nums == list(range(start + 1, start + 1 + len(steps))), "a step missing or sent twice"
+    prompt_tokens = after["tidal:prompt_tokens_total"] - before["tidal:prompt_tokens_total"]
+    assert prompt_tokens > 0 and _batches(steps) == [(prompt_tokens, 0, 1)] + [(0, 1, 1)] * (max_tokens - 1)
+    snap = httpx.get(f"{server}/dashboard/snapshot", headers=_auth(), params={"since": nums[-3]}).json()
+    assert [s[0] for s in snap["steps"]] == nums[-2:] and snap["step"]["num"] == nums[-1]
+
+
 # -- the page in a real browser -------------------------------------------------------------------
 
 def _chromium():
@@ -300,6 +460,10 @@ def test_page_shows_the_engine_live_and_agrees_with_metrics(server, browser, tmp
     wait.until(agrees)
     assert number("stat-generation-tokens") >= before + 6 * 96
     assert number("kv-free") + number("kv-cached") == browser.execute_script("return config.num_blocks")
+    # the step chart holds a bar for each of the latest steps: none missing, the newest the engine's last
+    nums, newest = browser.execute_script("return [steps.map((s) => s[0]), lastState.step.num]")
+    assert len(nums) == browser.execute_script("return MAX_STEPS") and nums[-1] == newest
+    assert nums == list(range(nums[0], newest + 1))
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == [], errors
 

@@ -1,8 +1,11 @@
 """A picture of the engine's state at one instant, for the live dashboard (tidal/entrypoints/openai/dashboard.py).
 
 `engine_snapshot(engine)` must run on the engine thread between two steps (AsyncLLM.call_in_engine),
-where the scheduler and the block pool are consistent. It costs O(num_blocks + requests) and runs
-only when someone asks (the dashboard's event stream, a few times a second): nothing is recorded per step.
+where the scheduler and the block pool are consistent. It costs O(num_blocks + requests + new steps) and
+runs only when someone asks (the dashboard's event stream, a few times a second). Per step the engine only
+records the batch's shape in a bounded ring (EngineStats.step_history: one tuple per step); the snapshot
+lists the steps numbered above `since` from it, so a reader that passes the last step it got sees every
+step once (all of them while it reads at least once per STEP_HISTORY steps).
 
 The KV cache comes as a map with one character per block (or per group of blocks once the pool has
 more than `max_cells`: the group shows its busiest state and its first owner):
@@ -86,8 +89,10 @@ def _state_slots(scheduler, index: dict[str, int]) -> dict | None:
     return out
 
 
-def engine_snapshot(engine, max_cells: int = MAX_CELLS, max_requests: int = MAX_REQUESTS) -> dict:
-    """The block map, the running and waiting requests, Mamba state slots and the latest step's batch."""
+def engine_snapshot(engine, max_cells: int = MAX_CELLS, max_requests: int = MAX_REQUESTS, since: int = 0) -> dict:
+    """The block map, the running and waiting requests, Mamba state slots, the latest step's batch, and
+    `steps`: the batch of each step numbered above `since` still in the ring, oldest first, as
+    [step number, time (s since the epoch), prefill tokens, decode tokens, requests]."""
     scheduler, kv = engine.scheduler, engine.kv_manager
     now = time.time()
     requests, index = [], {}
@@ -108,6 +113,7 @@ def engine_snapshot(engine, max_cells: int = MAX_CELLS, max_requests: int = MAX_
         "state": _state_slots(scheduler, index),
         "step": {"num": stats.num_steps, "prefill_tokens": stats.last_step_prefill_tokens,
                  "decode_tokens": stats.last_step_decode_tokens, "num_requests": stats.last_step_num_requests},
+        "steps": [[num, round(t, 4), prefill, decode, n] for num, t, prefill, decode, n in stats.steps_since(since)],
     }
 
 

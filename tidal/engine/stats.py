@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
+
+STEP_HISTORY = 1024  # steps kept in EngineStats.step_history (the dashboard's batch of each step)
 
 
 @dataclass
@@ -41,6 +44,12 @@ class EngineStats:
     last_step_prefill_tokens: int = 0
     last_step_decode_tokens: int = 0
     last_step_num_requests: int = 0
+    # and the same of each recent step, oldest first: (step number = num_steps after it, time.time() at its
+    # end, prefill tokens, decode tokens, requests), the last STEP_HISTORY steps. Not a field: it stays in
+    # the engine's process (the dashboard reads it there, steps_since) and is not sent with the stats
+    # after each step; created by the first step, so a copy of the stats (decoded in the server process)
+    # allocates nothing for it.
+    step_history = None
     # where the steps' time goes, summed over the steps: the wall time of LLMEngine.step, and the part of
     # it spent in the model (forward and LM head, the draft model's too; see RunnerOutput.model_time_s).
     # The rest is host time: scheduling, input preparation, sampling, output processing.
@@ -55,9 +64,13 @@ class EngineStats:
         # the scheduled tokens at prompt positions (not decodes, not drafts)
         prefill = sum(max(0, min(s.num_tokens, s.num_prompt_tokens - s.start_pos)) for s in batch.scheduled)
         self.num_prompt_tokens += prefill
-        self.last_step_prefill_tokens = prefill
-        self.last_step_decode_tokens = batch.num_batched_tokens - prefill
-        self.last_step_num_requests = len(batch.scheduled)
+        decode, num_requests = batch.num_batched_tokens - prefill, len(batch.scheduled)
+        self.last_step_prefill_tokens, self.last_step_decode_tokens = prefill, decode
+        self.last_step_num_requests = num_requests
+        history = self.step_history
+        if history is None:
+            history = self.step_history = deque(maxlen=STEP_HISTORY)
+        history.append((self.num_steps, time.time(), prefill, decode, num_requests))  # one tuple, no more
         self.num_running, self.num_waiting = scheduler.num_running, scheduler.num_waiting
         self.kv_usage = kv_manager.usage
         self.num_preemptions = scheduler.num_preemptions
@@ -71,6 +84,11 @@ class EngineStats:
             tokens -= (refs - used_blocks) * kv_manager.block_size
             self.kv_util_sum += min(1.0, tokens / (used_blocks * kv_manager.block_size))
             self.kv_util_steps += 1
+
+    def steps_since(self, since: int = 0) -> list[tuple[int, float, int, int, int]]:
+        """The recorded steps numbered above `since`, oldest first (at most the last STEP_HISTORY); read on
+        the engine thread, between two steps."""
+        return steps_after(self.step_history or (), since)
 
     def record_step_time(self, step_s: float, model_s: float) -> None:
         """One step's wall time and the model's part of it (seconds)."""
@@ -127,6 +145,23 @@ class EngineStats:
     @property
     def kv_utilization(self) -> float:
         return self.kv_util_sum / self.kv_util_steps if self.kv_util_steps else 0.0
+
+
+def steps_after(history, since: int) -> list:
+    """The entries of `history` (a sequence ordered by its entries' first item, a step number) numbered
+    above `since`, oldest first; walks back from the newest, so a reader that keeps up touches only the
+    few new ones."""
+    if not history or history[-1][0] <= since:
+        return []
+    if history[0][0] > since:
+        return list(history)
+    out = []
+    for step in reversed(history):
+        if step[0] <= since:
+            break
+        out.append(step)
+    out.reverse()
+    return out
 
 
 class StatsLogger:

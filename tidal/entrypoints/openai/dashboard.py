@@ -4,7 +4,8 @@
     GET /dashboard/static/<file>    its script and style sheet
     GET /dashboard/auth             {"api_key_required": bool}: whether the page must ask for the key
     GET /dashboard/token            a token for the event stream (needs the API key, as every route)
-    GET /dashboard/snapshot         one snapshot as JSON (engine state, metric totals, recent points)
+    GET /dashboard/snapshot         one snapshot as JSON (engine state, metric totals, recent points, the
+                                    batch of each step numbered above `?since=`)
     GET /dashboard/events           text/event-stream: `hello` (config and history) once, then `state`
                                     every `interval` seconds (default 0.25) and `point` once a second
 
@@ -14,24 +15,32 @@ opens only the dashboard, never the API).
 
 The engine's state is read on the engine thread between two steps (AsyncLLM.call_in_engine), only
 while someone watches, and once per interval however many watch; the time series come from the
-Prometheus registry (tidal/metrics_history.py). With nobody watching, a step costs what it did.
+Prometheus registry (tidal/metrics_history.py). With nobody watching, a step costs what it did, plus
+one tuple appended to a bounded ring (EngineStats.step_history: the batch of each step).
+
+The batch of every step: each reading asks the engine for the steps numbered above the last one it got
+(engine_snapshot's `since`; only those cross from an engine-core process) and keeps them in a ring of the
+same size here; each event stream remembers the last step it sent and sends the newer ones with its next
+`state` (all those kept, on its first), so a page sees each step once, whatever its interval.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from importlib import resources
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tidal.engine.snapshot import engine_config, engine_snapshot
+from tidal.engine.stats import STEP_HISTORY, steps_after
 from tidal.entrypoints.openai.serving_base import error_body
 from tidal.metrics import ServerMetrics
 from tidal.metrics_history import MetricsHistory, read_totals
@@ -69,6 +78,8 @@ class Dashboard:
         self._snapshot: tuple[float, dict] | None = None  # (monotonic time, snapshot), shared by all watchers
         self._pending: asyncio.Future | None = None
         self._config: dict | None = None
+        self._steps: deque[list] = deque(maxlen=STEP_HISTORY)  # [num, time, prefill, decode, requests]
+        self._last_step = 0  # the number of the newest step read from the engine
 
     # -- access ----------------------------------------------------------------------------------
     def issue_token(self) -> str | None:
@@ -125,7 +136,12 @@ class Dashboard:
                 self._pending = None
 
     async def _read_snapshot(self) -> dict:
-        snap = await asyncio.wait_for(self.async_llm.call_in_engine(engine_snapshot), SNAPSHOT_TIMEOUT_S)
+        read = functools.partial(engine_snapshot, since=self._last_step)  # pickles: crosses to a core process
+        snap = await asyncio.wait_for(self.async_llm.call_in_engine(read), SNAPSHOT_TIMEOUT_S)
+        steps = snap["steps"]
+        if steps:
+            self._steps.extend(steps)
+            self._last_step = steps[-1][0]
         # the counters right after it: the hook that updates them ran before this call, between the same steps
         if self.metrics is not None:
             totals = read_totals(self.metrics.registry)
@@ -134,12 +150,17 @@ class Dashboard:
         self._snapshot = (time.monotonic(), snap)
         return snap
 
+    def steps_since(self, since: int) -> list[list]:
+        """The steps read so far numbered above `since` (at most the last STEP_HISTORY), oldest first."""
+        return steps_after(self._steps, since)
+
     def points_since(self, t: float) -> list[dict]:
         return [p for p in self.history.points if p["time"] > t] if self.history is not None else []
 
     async def events(self, interval_s: float):
         self.start_sampler()
         last_point = 0.0
+        last_step = 0  # the newest step this stream sent
         try:
             hello = {"config": await self.config(), "history": self.points_since(0.0)}
             if hello["history"]:
@@ -147,9 +168,14 @@ class Dashboard:
             yield _sse("hello", hello)
             while True:
                 try:
-                    yield _sse("state", await self.snapshot(interval_s / 2))
+                    state = await self.snapshot(interval_s / 2)
                 except asyncio.TimeoutError:
-                    pass  # a long step: try again next beat
+                    state = None  # a long step: try again next beat
+                if state is not None:
+                    steps = self.steps_since(last_step)
+                    if steps:
+                        last_step = steps[-1][0]
+                    yield _sse("state", {**state, "steps": steps})
                 for point in self.points_since(last_point):
                     last_point = point["time"]
                     yield _sse("point", point)
@@ -202,12 +228,12 @@ def add_dashboard_routes(app: FastAPI, async_llm, metrics: ServerMetrics | None,
         return {"token": dashboard.issue_token()}
 
     @app.get("/dashboard/snapshot", include_in_schema=False)
-    async def snapshot(request: Request):
+    async def snapshot(request: Request, since: int = 0):
         if not dashboard.allowed(request):
             return unauthorized()
         dashboard.start_sampler()
         return {"config": await dashboard.config(), **(await dashboard.snapshot(0.0)),
-                "history": dashboard.points_since(0.0)}
+                "steps": dashboard.steps_since(since), "history": dashboard.points_since(0.0)}
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def events(request: Request, interval: float = 0.25):

@@ -1,14 +1,15 @@
 // Tidal's live dashboard: reads /dashboard/events (server-sent events) and draws on canvases.
-// No dependencies. Events: `hello` {config, history} once, `state` (engine snapshot + metric totals)
-// a few times a second, `point` (one time-series point) once a second.
+// No dependencies. Events: `hello` {config, history} once, `state` (engine snapshot + metric totals, and
+// `steps`: the batch of each step since the previous state) a few times a second, `point` (one
+// time-series point) once a second.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "tidal-dashboard-api-key";
-const MAX_STEPS = 120;  // step bars kept (one per state event)
+const MAX_STEPS = 200;  // step bars kept: one per engine step, the newest on the right
 let config = null;
 let points = [];
-let steps = [];
+let steps = [];  // [step number, time, prefill tokens, decode tokens, requests], oldest first
 let lastState = null;
 let source = null;
 
@@ -64,6 +65,7 @@ function setStatus(text, cls) {
 function onHello(hello) {
   config = hello.config;
   points = hello.history;
+  steps = [];  // a new stream: its first state sends the steps the server keeps
   $("model").textContent = config.model;
   $("config").textContent = `${config.dtype} · max_model_len ${config.max_model_len} · ${config.num_blocks} KV ` +
     `blocks of ${config.block_size} tokens · max_num_seqs ${config.max_num_seqs} · max_num_batched_tokens ` +
@@ -87,8 +89,8 @@ function onState(s) {
   $("stat-preemptions").textContent = int(t.preemptions);
   $("stat-prefix-hit-rate").textContent = t.prefix_queries ? pct(t.prefix_hits / t.prefix_queries) : "–";
   $("stat-spec-acceptance").textContent = t.spec_draft_tokens ? pct(t.spec_accepted_tokens / t.spec_draft_tokens) : "–";
-  if (!steps.length || steps[steps.length - 1].num !== s.step.num) steps.push(s.step);
-  if (steps.length > MAX_STEPS) steps.shift();
+  for (const step of s.steps || []) if (!steps.length || step[0] > steps[steps.length - 1][0]) steps.push(step);
+  if (steps.length > MAX_STEPS) steps.splice(0, steps.length - MAX_STEPS);
   drawKvMap(s);
   drawStateSlots(s);
   drawSteps(s.step);
@@ -184,23 +186,43 @@ function drawStateSlots(s) {
     (cp ? ` · prefix checkpoints ${cp.valid + cp.pending} of ${cp.num}, ${cp.hits} hits` : "");
 }
 
+let stepLayout = null;
 function drawSteps(last) {
-  // square-root scale: a step of a few decode tokens stays visible beside a prefill of thousands
+  // one bar per engine step, the newest on the right; square-root scale: a step of a few decode tokens
+  // stays visible beside a prefill of thousands
   const [ctx, width, height] = fitCanvas($("step-chart"), 160);
-  const max = Math.max(1, ...steps.map((s) => s.prefill_tokens + s.decode_tokens));
+  let max = 1;
+  for (const s of steps) max = Math.max(max, s[2] + s[3]);
   const h = (tokens) => Math.sqrt(tokens / max) * (height - 4);
   const w = width / MAX_STEPS;
+  const x0 = width - steps.length * w;
+  const bar = w > 3 ? w - 1 : Math.max(1, w);
   steps.forEach((s, i) => {
-    const total = h(s.prefill_tokens + s.decode_tokens);
-    const hd = h(s.decode_tokens);
+    const x = x0 + i * w;
+    if (i > 0 && s[0] > steps[i - 1][0] + 1) {  // steps missing here (the page fell behind the ring)
+      ctx.fillStyle = "#b3261e";
+      ctx.fillRect(x - 0.5, 0, 1, height);
+    }
+    const total = h(s[2] + s[3]);
+    const hd = h(s[3]);
     ctx.fillStyle = "#e07b39";
-    ctx.fillRect(i * w, height - total, Math.max(1, w - 1), total - hd);
+    ctx.fillRect(x, height - total, bar, total - hd);
     ctx.fillStyle = "#3a7bd5";
-    ctx.fillRect(i * w, height - hd, Math.max(1, w - 1), hd);
+    ctx.fillRect(x, height - hd, bar, hd);
   });
+  stepLayout = { x0, w };
+  const span = steps.length > 1 ? steps[steps.length - 1][1] - steps[0][1] : 0;
   $("step-summary").textContent = `step ${int(last.num)}: ${int(last.prefill_tokens)} prefill + ` +
-    `${int(last.decode_tokens)} decode tokens, ${last.num_requests} requests · √ scale to ${int(max)}`;
+    `${int(last.decode_tokens)} decode tokens, ${last.num_requests} requests · ${steps.length} steps` +
+    (span > 0 ? ` in ${span.toFixed(1)} s` : "") + ` · √ scale to ${int(max)}`;
 }
+
+$("step-chart").addEventListener("mousemove", (e) => {
+  if (!stepLayout) return;
+  const s = steps[Math.floor((e.offsetX - stepLayout.x0) / stepLayout.w)];
+  $("step-hover").textContent = s ? `step ${int(s[0])}: ${int(s[2])} prefill + ${int(s[3])} decode tokens, ` +
+    `${s[4]} requests, ${new Date(s[1] * 1000).toLocaleTimeString()}` : "";
+});
 
 function drawRequests(s) {
   const rows = s.requests.map((r) => {
