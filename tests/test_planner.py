@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tidal.planner.cost import CostModel, StepShape
@@ -11,7 +12,7 @@ from tidal.planner.devices import get_device, load_calibration
 from tidal.planner.model import profile_model
 from tidal.planner.report import highest_rate, requests_that_fit, summarize
 from tidal.planner.simulator import EngineSettings, simulate
-from tidal.planner.workload import SimRequest, WorkloadSpec, at_rate, load_trace, synthesize
+from tidal.planner.workload import Lengths, SimRequest, WorkloadSpec, at_rate, load_trace, synthesize
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,35 @@ def test_moe_reads_only_the_experts_a_small_batch_routes_to():
     one = cost.breakdown(StepShape.of([(1, 64, True)]))["linear"]
     many = cost.breakdown(StepShape.of([(1, 64, True)] * 64))["linear"]
     assert many > 2 * one  # one token reads 2 of 8 experts, 64 tokens read nearly all
+
+
+def test_the_cpu_row_is_the_reference_cpus_calibration():
+    """The table's cpu row holds the reference CPU's measured figures: rates that rise with the rows of a
+    product up to its peak, a one-row pass bound by the weights' bytes (2 FLOPs per 2-byte bf16 weight: the
+    FLOP/s equal the bandwidth), the skinny GEMM for decodes of up to 4 requests, and the engine's fixed
+    4 GiB cache on CPU; "cpu" and the row's full name both find it."""
+    device = get_device("cpu")
+    assert "EPYC" in device.name and get_device(device.name).as_dict() == device.as_dict()
+    rows = sorted(device.gemm_flops_by_rows)
+    rates = [device.gemm_rate(m) for m in rows]
+    assert rates == sorted(rates) and rates[-1] == device.peak_gemm_rate == device.peak_flops["bf16"]
+    assert device.gemm_flops_by_rows[1] == pytest.approx(device.memory_bandwidth, rel=0.01)
+    assert device.gemm_efficiency == device.bandwidth_efficiency == 1.0  # achieved, not datasheet, figures
+    assert device.skinny_max_rows == 4 and device.kv_cache_memory_bytes == 4 * 2**30
+    assert 0 < device.attention_seconds_per_cached_kv_byte < device.attention_seconds_per_kv_byte
+    assert device.serve_wide_step_overhead > 0 and device.serve_first_token_latency > 0
+
+
+def test_the_cpu_row_predicts_the_measured_offline_run(smollm2):
+    """`tidal bench throughput --workload offline` measured on the reference CPU (docs/planner.md: 25.85 s,
+    652.3 output tokens/s, 262 steps, mean TTFT 6969 ms, mean TPOT 152 ms) is predicted within 15%."""
+    from tidal.benchmarks import datasets
+    from tidal.planner.workload import from_requests
+    s = summarize(simulate(smollm2, get_device("cpu"), from_requests(datasets.workload_requests("offline"))))
+    for key, measured in (("duration_s", 25.85), ("output_throughput", 652.3), ("mean_ttft_ms", 6969),
+                          ("mean_tpot_ms", 152)):
+        assert s[key] == pytest.approx(measured, rel=0.15), (key, s[key])
+    assert abs(s["num_steps"] - 262) <= 2
 
 
 # -- the simulation -------------------------------------------------------------------------------------------
@@ -174,6 +204,108 @@ def test_trace_file(tmp_path, smollm2):
     assert [r.arrival_time for r in at_rate(reqs, 8.0)] == [0.0, 0.25]  # 2 requests over 0.25 s: 8 per second
 
 
+# -- length distributions ------------------------------------------------------------------------------------
+
+def test_lognormal_lengths_have_the_asked_mean():
+    """A log-normal of mean 512: the mean of many draws is 512, the median exp(-sigma^2 / 2) of it (most
+    lengths short, a long tail); a narrower one keeps the mean."""
+    import numpy as np
+    for sigma in (1.0, 0.5):
+        dist = Lengths("lognormal", 512, sigma=sigma)
+        rng = np.random.default_rng(0)
+        draws = np.array([dist.draw(rng) for _ in range(20000)])
+        assert draws.mean() == pytest.approx(512, rel=0.03), sigma
+        assert np.median(draws) == pytest.approx(512 * np.exp(-sigma ** 2 / 2), rel=0.05), sigma
+        assert draws.min() >= 1 and len(set(draws.tolist())) > 100
+
+
+def test_lognormal_workloads_are_reproducible_and_within_bounds():
+    def lens(seed, **kw):
+        spec = WorkloadSpec(400, input_len=Lengths("lognormal", 96, sigma=1.0),
+                            output_len=Lengths("lognormal", 48, sigma=0.8), seed=seed, **kw)
+        return [(len(r.prompt_token_ids), r.max_tokens) for r in synthesize(spec)]
+    a = lens(7)
+    assert a == lens(7) and a != lens(8)  # the workload's seed draws the lengths
+    assert np.mean([i for i, _ in a]) == pytest.approx(96, rel=0.15)
+    assert np.mean([o for _, o in a]) == pytest.approx(48, rel=0.15)
+    capped = lens(7, max_model_len=128)  # the long tail kept within max_model_len, prompt and output together
+    assert max(i + o for i, o in capped) <= 128 and min(min(p) for p in capped) >= 1
+    assert max(i for i, _ in a) > 128  # (the tail the cap cut)
+    bounded = WorkloadSpec(400, input_len=Lengths("lognormal", 96, 32, 160, sigma=1.0), seed=7)
+    assert {32, 160} <= {len(r.prompt_token_ids) for r in synthesize(bounded)} <= set(range(32, 161))
+
+
+def test_a_fixed_or_uniform_range_draws_as_before():
+    """A (LO, HI) range is a uniform draw, and a fixed Lengths the same draw as a range of one value, so a
+    seed gives the same workload it gave before the distributions."""
+    spec = dict(num_requests=20, output_len=(16, 64), seed=3)
+    tuple_spec, fixed = synthesize(WorkloadSpec(input_len=(100, 100), **spec)), \
+        synthesize(WorkloadSpec(input_len=Lengths("fixed", 100), **spec))
+    assert [(r.prompt_token_ids, r.max_tokens) for r in tuple_spec] == [(r.prompt_token_ids, r.max_tokens)
+                                                                        for r in fixed]
+    assert {len(r.prompt_token_ids) for r in tuple_spec} == {100}
+    assert {r.max_tokens for r in tuple_spec} <= set(range(16, 65)) and len({r.max_tokens for r in tuple_spec}) > 5
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dist="pareto"), "must be one of fixed, uniform, lognormal, got 'pareto'"),
+    (dict(dist="lognormal", sigma=0.0), "sigma .* must be > 0"),
+    (dict(dist="lognormal", sigma=-1.0), "sigma .* must be > 0"),
+    (dict(dist="lognormal"), "sigma .* must be > 0, got None"),
+    (dict(dist="lognormal", sigma=1.0, lo=600, hi=900), r"mean must be within its range \[600, 900\]"),
+    (dict(dist="uniform", lo=10, hi=5), "range must be 1 <= LO <= HI"),
+])
+def test_bad_length_distributions_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=f"input_len.*{message}"):
+        Lengths(**{"mean": 512, **kwargs}, name="input_len")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--input-len-dist", "lognormal", "--input-len-sigma", "0"], "argument --input-len-sigma: must be a number > 0"),
+    (["--output-len-dist", "lognormal", "--output-len-sigma", "-0.5"], "argument --output-len-sigma: must be a number"),
+    (["--input-len-dist", "pareto"], "argument --input-len-dist: invalid choice: 'pareto'"),
+])
+def test_cli_refuses_bad_length_arguments(argv, message, capsys):
+    from tidal.entrypoints.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--num-requests", "4", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--input-len-dist", "uniform"], "--input-len-dist uniform needs --input-len-range LO HI"),
+    (["--output-len-sigma", "0.5"], "--output-len-sigma applies to --output-len-dist lognormal only"),
+    (["--input-len-dist", "fixed", "--input-len-range", "8", "16"], "--input-len-range does not apply to"),
+    (["--input-len-dist", "lognormal", "--input-len", "900", "--input-len-range", "1", "512"],
+     r"--input-len mean must be within its range [1, 512], got 900"),
+])
+def test_cli_names_the_length_arguments_that_do_not_go_together(argv, message, capsys):
+    from tidal.entrypoints.cli import main
+    assert main(["plan", "--num-requests", "4", *argv]) == 2
+    assert f"error: {message}" in capsys.readouterr().out
+
+
+def test_cli_plans_lognormal_lengths(tmp_path, capsys):
+    """Log-normal prompts and outputs through the CLI: the same seed plans the same workload, the lengths'
+    means near the asked ones, every request within --max-model-len (a longer one is refused: exit 2)."""
+    from tidal.entrypoints.cli import main
+    from tidal.planner.cli import LENGTH_DISTRIBUTIONS
+    from tidal.planner.workload import DISTRIBUTIONS
+    assert LENGTH_DISTRIBUTIONS == DISTRIBUTIONS
+    argv = ["plan", "--num-requests", "200", "--input-len", "300", "--input-len-dist", "lognormal",
+            "--input-len-sigma", "1.2", "--output-len", "40", "--output-len-dist", "lognormal",
+            "--max-model-len", "1024", "--seed", "5", "--output-json"]
+    runs = []
+    for i in range(2):
+        assert main([*argv, str(tmp_path / f"{i}.json")]) == 0
+        runs.append(json.loads((tmp_path / f"{i}.json").read_text())["summary"])
+    assert runs[0] == runs[1] and runs[0]["completed"] == 200
+    d = runs[0]["duration_s"]
+    # tokens per second of the run x its duration: the lengths' totals
+    assert runs[0]["output_throughput"] * d / 200 == pytest.approx(40, rel=0.2)
+    assert (runs[0]["total_token_throughput"] - runs[0]["output_throughput"]) * d / 200 == pytest.approx(300, rel=0.2)
+
+
 # -- the command line -----------------------------------------------------------------------------------------
 
 def test_cli_plans_a_bundled_model(tmp_path, capsys):
@@ -188,7 +320,58 @@ def test_cli_plans_a_bundled_model(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["summary"]["completed"] == 32 and data["slo"]["highest_rate"] > 0
     assert [p["request_rate"] for p in data["sweep"]] == [2, 8]
-    assert (tmp_path / "p.png").exists() or "matplotlib is not installed" in text
+    assert f"wrote {tmp_path / 'p.png'}" in text
+
+
+def _png_size(path) -> tuple[int, int]:
+    """(width, height) from a PNG's signature and IHDR chunk; fails on anything else."""
+    import struct
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_cli_plot_is_a_png_of_the_sweep(tmp_path, capsys, monkeypatch):
+    """--plot writes a PNG whose lines are the sweep's TTFT and TPOT (p50, p99) at its rates, as the plan's
+    JSON reports them."""
+    import matplotlib.image
+
+    from tidal.entrypoints.cli import main
+    from tidal.planner import report
+    figures = []
+    real = report.latency_figure
+    monkeypatch.setattr(report, "latency_figure", lambda *a, **k: figures.append(real(*a, **k)) or figures[-1])
+    png, out = tmp_path / "latency.png", tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-3-8b", "--device", "H100-80GB", "--num-requests", "16", "--input-len",
+                 "256", "--output-len", "32", "--sweep", "1", "4", "16", "--plot", str(png),
+                 "--output-json", str(out)]) == 0
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert _png_size(png) == (1000, 400)  # 10 x 4 inches at 100 dpi
+    assert matplotlib.image.imread(str(png)).shape[:2] == (400, 1000)
+    sweep = json.loads(out.read_text())["sweep"]
+    (fig,) = figures
+    ttft_ax, tpot_ax = fig.axes
+    lines = {line.get_label(): line for ax in (ttft_ax, tpot_ax) for line in ax.get_lines()}
+    assert sorted(lines) == ["TPOT p50", "TPOT p99", "TTFT p50", "TTFT p99"]
+    for label, line in lines.items():
+        metric, pct = label.lower().split()
+        assert list(line.get_xdata()) == [p["request_rate"] for p in sweep] == [1, 4, 16]
+        assert list(line.get_ydata()) == pytest.approx([p[f"{pct}_{metric}_ms"] for p in sweep]), label
+    assert ttft_ax.get_yscale() == "log" and tpot_ax.get_ylim()[0] == 0
+
+
+def test_cli_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from tidal.entrypoints.cli import main
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    png = tmp_path / "latency.png"
+    assert main(["plan", "--model", "llama-3-8b", "--device", "H100-80GB", "--num-requests", "8", "--input-len",
+                 "128", "--output-len", "16", "--sweep", "2", "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "matplotlib is not installed (pip install matplotlib): no plot written" in text
+    assert "rate req/s" in text and not png.exists()  # the sweep's table is printed all the same
 
 
 def test_cli_says_when_a_model_does_not_fit(capsys):
@@ -234,6 +417,10 @@ def test_calibration_fit_recovers_the_figures_that_produced_the_steps(smollm2):
         assert getattr(device, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     mixed = [(300, 0, True), (1, 700, True), (1, 40, True), (128, 512, False)]
     assert CostModel(smollm2, device).step_time(StepShape.of(mixed)) == pytest.approx(t(mixed), rel=1e-6)
+    # nothing unmeasured comes from the table's cpu row (the reference CPU's calibration, served costs included)
+    assert truth.serve_wide_step_overhead > 0 and truth.serve_first_token_latency > 0
+    assert (device.serve_step_overhead, device.serve_request_overhead, device.serve_wide_step_overhead,
+            device.serve_first_token_latency) == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_shared_blocks_and_the_served_cost(smollm2):

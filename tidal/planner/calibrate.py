@@ -17,16 +17,18 @@ benchmarks use:
   what the figures above predict for their linear layers, give a cost per token (elementwise layers,
   inputs) and attention's FLOP rate on prompts.
 A prompt of half the long context is then timed and predicted, as a check of figures not fitted on it.
-- serving (optional, --serve-result): the `tidal bench serve` results of one benchmarks/serve_sweep.py run
-  against `tidal serve` on this machine (a low and a high rate, in the order they ran); the same runs are
-  simulated as the sweep makes them (one server: its warm-up, then each rate with prompts of its own,
+- serving (optional: --serve, or --serve-result): `tidal bench serve` runs against `tidal serve` on this
+  machine, a low and a high rate (--serve: started here on the model, the runs of
+  tidal.benchmarks.sweep made, the server stopped; --serve-result: the results of such a sweep measured
+  before, e.g. by benchmarks/serve_sweep.py, in the order they ran); the same runs are simulated as the
+  sweep makes them (one server: its warm-up, then each rate with prompts of its own,
   the prefix cache kept between them) with the figures above, and the measured mean
   TPOTs' excess over the simulated ones gives the server's cost per engine step and per request of a
   step (HTTP, detokenization and streaming share the host with the engine), the mean TTFTs' excess its
   latency to a request's first token (the request's way in and its first chunk's way out); both are
   applied when a plan is for a served workload.
 
-    tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --output cpu.json
+    tidal plan calibrate --model ~/.cache/tidal-peers/smollm2-135m-instruct --serve --output cpu.json
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+# the sweep's warm-up and seeds (tidal.benchmarks.sweep), which the planner simulates
+from tidal.benchmarks.sweep import SWEEP_WARMUP, SWEEP_WARMUP_SEED, SweepError, sweep_seed  # noqa: F401 (sweep_seed)
 from tidal.planner.cost import CostModel, StepShape
 from tidal.planner.devices import Device, get_device
 from tidal.planner.model import ModelProfile, profile_model
@@ -178,6 +182,11 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
     peak = max(m.gemm_flops_by_rows.values())
     device.peak_flops = {"bf16": peak, "fp32": peak / 2, "int8": 2 * peak}
     device.step_overhead = device.request_overhead = device.layer_overhead = device.token_overhead = 0.0
+    # nothing of the table's row (the reference CPU's own calibration) is carried over unmeasured: the served
+    # costs stay 0 unless fit_serve fits them, and attention's figures are this machine's or None
+    device.serve_step_overhead = device.serve_request_overhead = device.serve_wide_step_overhead = 0.0
+    device.serve_first_token_latency = 0.0
+    device.attention_flops = device.attention_seconds_per_cached_kv_byte = None
     device.source = "calibration"
     added_kv = m.batch * (m.long - m.short) * profile.kv_bytes_per_token
     per_kv_byte = (m.decode_long - m.decode_short) / added_kv if added_kv else 0.0
@@ -231,26 +240,70 @@ def fit(profile: ModelProfile, m: Measurements) -> tuple[Device, list[str]]:
     return device, notes
 
 
-SWEEP_WARMUP = 4            # benchmarks/serve_sweep.py's warm-up: 4 requests, all at once ...
-SWEEP_WARMUP_SEED = 10_000  # ... drawn with a seed of their own
 PROBE_TOKENS = 16           # `tidal bench serve`'s probe before each run: the first prompt's first 16 tokens, 2 out
 
 
-def sweep_seed(index: int) -> int:
-    """The seed of benchmarks/serve_sweep.py's run number `index` (its requests and arrivals): each run
-    draws its own prompts, so none is found in the prefix cache from an earlier run."""
-    return 1 + index
+@dataclass
+class ServeSweep:
+    """The served runs --serve makes (tidal.benchmarks.sweep): after the warm-up, `num_prompts` requests of
+    `input_len` random tokens and `output_len` out at each rate in order. The defaults are the validated
+    calibration's (docs/planner.md): a low rate, mostly one request a step (the skinny GEMM), and a high
+    one, wider batches; max_model_len is the served engine's."""
+    rates: tuple[float, ...] = (0.5, 6.0)
+    num_prompts: int = 16
+    input_len: int = 128
+    output_len: int = 64
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if not self.rates or not all(r > 0 for r in self.rates):
+            raise ValueError(f"the served runs' rates must be > 0 (inf: all at once), got {list(self.rates)}")
+        if min(self.num_prompts, self.input_len, self.output_len) < 1:
+            raise ValueError(f"the served runs' prompts, input and output lengths must be >= 1, got "
+                             f"{self.num_prompts}, {self.input_len}, {self.output_len}")
+        if self.input_len + self.output_len > self.max_model_len:
+            raise ValueError(f"the served runs' input + output length ({self.input_len} + {self.output_len}) "
+                             f"exceeds the served max_model_len {self.max_model_len}")
 
 
-def sweep_warmup_requests(input_len: int, output_len: int) -> list[dict]:
-    """The requests of benchmarks/serve_sweep.py's warm-up for runs of these lengths."""
+def sweep_warmup_requests(input_len: int, output_len: int, vocab_size: int | None = None) -> list[dict]:
+    """The requests of the sweep's warm-up for runs of these lengths."""
     from tidal.benchmarks import datasets
-    return datasets.random_requests(SWEEP_WARMUP, (input_len,) * 2, (output_len,) * 2, SWEEP_WARMUP_SEED)
+    return datasets.random_requests(SWEEP_WARMUP, (input_len,) * 2, (output_len,) * 2, SWEEP_WARMUP_SEED,
+                                    vocab_size)
+
+
+def measure_serve(model: str, spec: ServeSweep | None = None, vocab_size: int | None = None,
+                  progress=print) -> list[dict]:
+    """Start `tidal serve` on the model (a free local port; bf16, spec.max_model_len, request logging
+    off), wait for /health, make the sweep's runs (its warm-up, then spec.rates in order, each with
+    sweep_seed(i)) with `tidal bench serve`, stop the server (also on an error or an interrupt) and
+    return each rate's results, as fit_serve takes them. Prompts are token ids below `vocab_size` when
+    given (a model's vocabulary smaller than the benchmarks' token range)."""
+    from tidal.benchmarks import datasets, sweep
+    spec = spec or ServeSweep()
+    if vocab_size is not None and vocab_size >= datasets.TOKEN_HI:
+        vocab_size = None  # the benchmarks' own token range fits: the same prompts as `tidal bench serve`'s
+
+    def say(line: str) -> None:
+        progress(f"serving: {line}")
+    port = sweep.free_port()
+    say(f"starting tidal serve on {model} (127.0.0.1:{port})")
+    t0 = time.perf_counter()
+    with sweep.serving(sweep.tidal_serve_command(model, port, spec.max_model_len), port) as server:
+        say(f"server ready in {time.perf_counter() - t0:.1f} s (log {server.log_path})")
+        try:
+            results = sweep.sweep(server.url, spec.rates, num_prompts=spec.num_prompts, input_len=spec.input_len,
+                                  output_len=spec.output_len, vocab_size=vocab_size, progress=say)
+        except sweep.SweepError as e:
+            raise sweep.SweepError(f"{e} (server log {server.log_path})") from None
+    say("server stopped")
+    return results
 
 
 def simulate_sweep(profile: ModelProfile, device: Device, runs: list[tuple[list[dict], float, float, int]],
                    max_model_len: int = 2048, warmup: list[dict] | None = None) -> list:
-    """benchmarks/serve_sweep.py's runs, simulated as it makes them: one server (one engine, its prefix
+    """A sweep's runs (tidal.benchmarks.sweep), simulated as it makes them: one server (one engine, its prefix
     cache kept from run to run), first its warm-up (the `warmup` requests, all at once), then each run
     (requests, rate, burstiness, seed of the arrivals) in order; `tidal bench serve` sends its probe
     before each (warm-up included). A prompt that an earlier run, the warm-up or the probe sent is found
@@ -269,22 +322,23 @@ def simulate_sweep(profile: ModelProfile, device: Device, runs: list[tuple[list[
 
 
 def serve_runs(results: list[dict]) -> list[tuple[list[dict], float, float, int]]:
-    """The requests of `tidal bench serve` results (random dataset, fixed lengths, each result's seed),
-    with each run's rate, burstiness and seed."""
+    """The requests of `tidal bench serve` results (random dataset, fixed lengths, each result's seed and,
+    where it records one, its vocabulary bound), with each run's rate, burstiness and seed."""
     from tidal.benchmarks import datasets
     runs = []
     for result in results:
         n, seed = result["num_prompts"], result.get("seed", 0)
         in_len, out_len = result["total_input_tokens"] // n, result["total_output_tokens"] // n
-        runs.append((datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, seed), result["request_rate"],
-                     result.get("burstiness") or 1.0, seed))
+        requests = datasets.random_requests(n, (in_len,) * 2, (out_len,) * 2, seed, result.get("vocab_size"))
+        runs.append((requests, result["request_rate"], result.get("burstiness") or 1.0, seed))
     return runs
 
 
 def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
               max_model_len: int = 2048) -> tuple[float, float, float]:
     """The server's two costs per step and its first-token latency per request, from the results of one
-    benchmarks/serve_sweep.py run (random dataset; in the order it ran them) against the simulation of
+    sweep (tidal.benchmarks.sweep: measure_serve, or benchmarks/serve_sweep.py; random dataset; in the
+    order it ran them) against the simulation of
     the same runs on one server (simulate_sweep: its warm-up, then each run, the prefix cache kept
     between them). The costs: a cost per step, and more per step whose products leave the skinny GEMM
     (with a device that has one; else more per request of a step), solved so that the simulated mean
@@ -296,7 +350,7 @@ def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
     from tidal.planner import report
     runs = serve_runs(results)
     first = runs[0][0][0]  # the first run's first request: the warm-up's requests have its lengths
-    warmup = sweep_warmup_requests(len(first["prompt_token_ids"]), first["max_tokens"])
+    warmup = sweep_warmup_requests(len(first["prompt_token_ids"]), first["max_tokens"], results[0].get("vocab_size"))
     second = "serve_wide_step_overhead" if device.skinny_max_rows > 0 else "serve_request_overhead"
     device.serve_request_overhead = device.serve_wide_step_overhead = 0.0
 
@@ -327,19 +381,30 @@ def fit_serve(profile: ModelProfile, device: Device, results: list[dict],
 
 
 def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model_len: int = 2048,
-              measurements: Measurements | None = None, **kwargs) -> dict:
+              measurements: Measurements | None = None, serve: ServeSweep | None = None, progress=print,
+              **kwargs) -> dict:
     """Measure (keyword arguments: measure's; or given measurements) and fit; returns the device file's
-    contents."""
+    contents. The server's costs are fitted on the served runs measured here first (`serve`: measure_serve,
+    its max_model_len the served engine's) or on results measured before (`serve_result`: JSON files, the
+    served engine's max_model_len `serve_max_model_len`); on neither they stay 0."""
     from tidal.worker.memory import cache_budget_bytes
-    m = measurements or measure(model, **kwargs)
+    if serve is not None and serve_result:
+        raise ValueError("give the served runs to measure (serve) or results measured before (serve_result), "
+                         "not both")
     profile = profile_model(model, dtype="bfloat16")
+    results = []
+    if serve is not None:  # first: a server that does not start fails the calibration before the long part
+        results = measure_serve(model, serve, profile.vocab_size, progress)
+        serve_max_model_len = serve.max_model_len
+    for path in serve_result or ():
+        with open(path) as f:
+            results.append(json.load(f))
+    if measurements is None:
+        progress("engine steps: timing the model's products and engine steps")
+    m = measurements or measure(model, **kwargs)
     device, notes = fit(profile, m)
     device.skinny_max_rows = _skinny_max_rows()
-    if serve_result:
-        results = []
-        for path in serve_result:
-            with open(path) as f:
-                results.append(json.load(f))
+    if results:
         fit_serve(profile, device, results, serve_max_model_len)
     check = m.long // 2
     predicted_check = CostModel(profile, device).step_time(StepShape.of([(check, 0, True)]))
@@ -361,6 +426,8 @@ def calibrate(model: str, serve_result: list[str] | None = None, serve_max_model
                      # how well the fitted figures predict a step they were not fitted on
                      "check_prefill_step_s": {"tokens": check, "measured": m.prefill[check],
                                               "predicted": predicted_check},
+                     # the served runs the server's costs were fitted on (`tidal bench serve` results)
+                     "serve_results": results,
                      "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "notes": notes,
     }
@@ -378,11 +445,48 @@ def _memory_bytes() -> int:
     return psutil.virtual_memory().total
 
 
+def serve_sweep_from_args(args) -> ServeSweep | None:
+    """The served runs of `tidal plan calibrate --serve` (None without it); the --serve-* options of the
+    runs are refused without --serve, and --serve beside --serve-result (ValueError)."""
+    given = {"--serve-rates": args.serve_rates, "--serve-num-prompts": args.serve_num_prompts,
+             "--serve-input-len": args.serve_input_len, "--serve-output-len": args.serve_output_len}
+    if not args.serve:
+        unused = sorted(flag for flag, v in given.items() if v is not None)
+        if unused:
+            raise ValueError(f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} only with --serve")
+        return None
+    if args.serve_result:
+        raise ValueError("--serve measures the served runs here, --serve-result reads runs measured before: give one")
+    default = ServeSweep()
+
+    def given_or(value, fallback):
+        return fallback if value is None else value
+    return ServeSweep(tuple(given_or(args.serve_rates, default.rates)),
+                      given_or(args.serve_num_prompts, default.num_prompts),
+                      given_or(args.serve_input_len, default.input_len),
+                      given_or(args.serve_output_len, default.output_len), args.serve_max_model_len)
+
+
 def main(args) -> int:
     model = os.path.expanduser(args.model)
-    result = calibrate(model, rows=args.rows, batch=args.batch, contexts=tuple(args.contexts), steps=args.steps,
-                       repeats=args.repeats, wide=args.wide, serve_result=args.serve_result,
-                       serve_max_model_len=args.serve_max_model_len)
+    try:
+        serve = serve_sweep_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+    try:
+        result = calibrate(model, rows=args.rows, batch=args.batch, contexts=tuple(args.contexts),
+                           steps=args.steps, repeats=args.repeats, wide=args.wide, serve_result=args.serve_result,
+                           serve_max_model_len=args.serve_max_model_len, serve=serve, progress=progress)
+    except SweepError as e:  # the served runs: a server that did not start, a failed request
+        print(f"error: {e}")
+        return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.output} not written" + (" (the server was stopped)" if serve else ""))
+        return 130
     with open(args.output, "w") as f:
         json.dump(result, f, indent=2)
     rates = ", ".join(f"M={k}: {v / 1e9:.1f}" for k, v in result["gemm_flops_by_rows"].items())

@@ -15,6 +15,8 @@ import os
 
 from tidal.worker.sizing import BUNDLED_CONFIGS
 
+LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal")  # tidal.planner.workload.DISTRIBUTIONS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model and hardware")
@@ -25,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     m.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    m.add_argument("--device", default="cpu", help="H100-80GB, H200, A100-80GB, L40S or cpu (the table's figures)")
+    m.add_argument("--device", default="cpu",
+                   help="H100-80GB, H200, A100-80GB, L40S (datasheet figures) or cpu (the reference CPU's calibration: "
+                        "a 2-core AMD EPYC Zen 4, AVX-512 BF16)")
     m.add_argument("--calibration", default=None, help="a device file from `tidal plan calibrate` (replaces --device)")
     e = p.add_argument_group("engine (as `tidal serve`)")
     e.add_argument("--max-num-seqs", type=int, default=256)
@@ -45,10 +49,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, Poisson (default inf: all at once)")
     w.add_argument("--burstiness", type=float, default=1.0)
-    w.add_argument("--input-len", type=int, default=512)
-    w.add_argument("--output-len", type=int, default=128)
-    w.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None)
-    w.add_argument("--output-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    for what, default in (("input", 512), ("output", 128)):
+        flag = f"--{what}-len"
+        w.add_argument(flag, type=int, default=default,
+                       help=f"{what} tokens per request (default {default}); with {flag}-dist lognormal, their mean")
+        w.add_argument(f"{flag}-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                       help=f"uniform over LO..HI; with {flag}-dist lognormal, the bounds of its draws")
+        w.add_argument(f"{flag}-dist", choices=LENGTH_DISTRIBUTIONS, default=None,
+                       help=f"how {what} lengths are drawn: fixed ({flag}), uniform ({flag}-range) or lognormal "
+                            f"(mean {flag}, spread {flag}-sigma; rounded, kept within {flag}-range or else "
+                            f"max_model_len); default uniform with {flag}-range, else fixed")
+        w.add_argument(f"{flag}-sigma", type=_positive_float, default=None,
+                       help="lognormal: the standard deviation of the log length (default 1)")
     w.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares with others (prefix caching)")
     w.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
     w.add_argument("--workload", choices=["offline", "shared_prefix"], default=None,
@@ -85,11 +97,24 @@ def register(subparsers) -> None:
     c.add_argument("--steps", type=int, default=30)
     c.add_argument("--repeats", type=int, default=5)
     c.add_argument("--wide", type=int, default=64, help="the wide decode batch (per-request cost, shared prefix)")
+    c.add_argument("--serve", action="store_true",
+                   help="also measure the server: start `tidal serve` on the model (a free local port), run `tidal "
+                        "bench serve` at --serve-rates after a warm-up, stop it, and fit the server's cost per step, "
+                        "its extra cost per step off the skinny GEMM and its latency to a request's first token "
+                        "(about a minute more with the defaults)")
+    c.add_argument("--serve-rates", type=float, nargs="+", default=None,
+                   help="--serve: request rates (req/s, Poisson), run in order (default 0.5 6: a low rate fits the "
+                        "cost per step, a high one the extra cost off the skinny GEMM)")
+    c.add_argument("--serve-num-prompts", type=int, default=None, help="--serve: requests per rate (default 16)")
+    c.add_argument("--serve-input-len", type=int, default=None,
+                   help="--serve: random prompt tokens per request (default 128)")
+    c.add_argument("--serve-output-len", type=int, default=None, help="--serve: tokens out per request (default 64)")
     c.add_argument("--serve-result", nargs="+", default=None,
-                   help="JSON of `tidal bench serve` runs against `tidal serve` on this machine: the entries of one "
-                        "benchmarks/serve_sweep.py run (random dataset), in the order it ran them; one low rate fits "
-                        "the server's cost per step, two rates (low and high) also its extra cost per step off the "
-                        "skinny GEMM; and its latency to a request's first token")
+                   help="instead of --serve, served runs measured before: JSON of `tidal bench serve` runs against "
+                        "`tidal serve` on this machine, the entries of one benchmarks/serve_sweep.py run (random "
+                        "dataset), in the order it ran them; one low rate fits the server's cost per step, two "
+                        "rates (low and high) also its extra cost per step off the skinny GEMM; and its latency to "
+                        "a request's first token")
     c.add_argument("--serve-max-model-len", type=int, default=2048, help="the served engine's max_model_len")
     c.set_defaults(func=_calibrate)
 
@@ -99,7 +124,38 @@ def _calibrate(args) -> int:
     return calibrate.main(args)
 
 
-def build_requests(args, rate: float):
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def lengths(args, what: str):
+    """The prompt ("input") or output lengths of the plan's synthetic workload: a (LO, HI) range (LO == HI:
+    fixed) or workload.Lengths; a ValueError names the arguments that do not go together."""
+    from tidal.planner import workload
+    n, span, dist, sigma = (getattr(args, f"{what}_len{s}", None) for s in ("", "_range", "_dist", "_sigma"))
+    flag = f"--{what}-len"
+    dist = dist or ("uniform" if span else "fixed")
+    if dist == "fixed" and span:
+        raise ValueError(f"{flag}-range does not apply to {flag}-dist fixed (uniform or lognormal use it)")
+    if dist == "uniform" and not span:
+        raise ValueError(f"{flag}-dist uniform needs {flag}-range LO HI")
+    if sigma is not None and dist != "lognormal":
+        raise ValueError(f"{flag}-sigma applies to {flag}-dist lognormal only, not {dist}")
+    if dist == "uniform":
+        return tuple(span)
+    if dist == "fixed":
+        return (n, n)
+    lo, hi = span or (1, None)
+    return workload.Lengths("lognormal", n, lo, hi, 1.0 if sigma is None else sigma, name=flag)
+
+
+def build_requests(args, rate: float, max_model_len: int | None = None):
     from tidal.planner import workload
     if args.trace:
         requests = workload.load_trace(args.trace, args.request_rate, args.seed)
@@ -108,9 +164,9 @@ def build_requests(args, rate: float):
     if args.workload:
         from tidal.benchmarks import datasets
         return workload.from_requests(datasets.WORKLOADS[args.workload](), rate, args.burstiness, args.seed)
-    spec = workload.WorkloadSpec(args.num_requests, rate, tuple(args.input_len_range or (args.input_len,) * 2),
-                                 tuple(args.output_len_range or (args.output_len,) * 2), args.prefix_len,
-                                 args.num_prefixes, args.burstiness, args.seed)
+    spec = workload.WorkloadSpec(args.num_requests, rate, lengths(args, "input"), lengths(args, "output"),
+                                 args.prefix_len, args.num_prefixes, args.burstiness, args.seed,
+                                 max_model_len=max_model_len)
     return workload.synthesize(spec)
 
 
@@ -132,8 +188,10 @@ def run(args) -> int:
                               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                               served=args.workload is None if args.served is None else args.served)
 
+    max_model_len = min(args.max_model_len or profile.max_model_len, profile.max_model_len)
+
     def at(rate: float) -> tuple[dict, object]:
-        result = simulate(profile, device, build_requests(args, rate), settings)
+        result = simulate(profile, device, build_requests(args, rate, max_model_len), settings)
         return report.summarize(result), result
 
     try:
@@ -141,7 +199,6 @@ def run(args) -> int:
     except ValueError as e:
         print(f"error: {e}")
         return 2
-    max_model_len = min(args.max_model_len or profile.max_model_len, profile.max_model_len)
     context_lens = args.context_lens or sorted({min(4096, max_model_len), max_model_len})
     fit = report.requests_that_fit(profile, result, args.max_num_seqs, args.block_size, context_lens)
     out = {"model": vars(profile), "device": device.as_dict(), "cache": vars(result.plan), "fit": fit,
@@ -186,8 +243,8 @@ def describe(profile, device, plan, fit: list[dict], s: dict, args) -> str:
              f"quantization {profile.quantization or 'none'}, KV cache {profile.kv_cache_dtype}",
              f"  per device: weights {profile.weight_bytes / gb:.2f} GB, KV {profile.kv_bytes_per_token} B per token, "
              f"Mamba state {profile.state_bytes_per_request / 2**20:.2f} MiB per request"]
-    if device.name == "cpu" and device.source == "table":
-        lines.append("  (the cpu row holds placeholder figures: `tidal plan calibrate` measures this machine, "
+    if device.source == "table" and device.name.startswith("cpu"):
+        lines.append("  (the cpu row is the reference CPU's calibration: `tidal plan calibrate` measures this machine, "
                      "then pass --calibration FILE)")
     if not plan.fits:
         lines.append(f"  DOES NOT FIT: {plan.reason}")

@@ -3,8 +3,11 @@ the interconnect between tensor-parallel ranks, and the host overhead of an engi
 
 The GPU rows are the vendors' datasheet figures (dense, no sparsity; SXM parts) with achieved fractions
 of peak that large GEMMs and streaming reads commonly reach; their overheads are estimates for an eager
-(no CUDA graphs) engine. The CPU row is a placeholder to be replaced by a calibration file written by
-`tidal plan calibrate`, which measures this machine (tidal/planner/calibrate.py).
+(no CUDA graphs) engine. The `cpu` row is the calibration of the project's reference CPU, a 2-core AMD
+EPYC Zen 4 with AVX-512 BF16 (24 GB; SmolLM2-135M in bf16, 2 torch threads; docs/planner.md, "Measured:
+2026-12-01 (20:07-20:10 UTC)"): its figures are achieved rates, so its efficiencies are 1. Another machine
+is measured by `tidal plan calibrate` (tidal/planner/calibrate.py), whose file `--calibration` reads over
+this row.
 """
 from __future__ import annotations
 
@@ -97,17 +100,38 @@ DEVICES = {
                         2.039e12, 19.5e12, interconnect_bandwidth=300e9),
     "L40S": Device("L40S", 48 * GB, {"bf16": 362e12, "fp32": 183e12, "int8": 733e12, "fp8": 733e12},
                    0.864e12, 91.6e12, interconnect_bandwidth=32e9, interconnect_latency=20e-6),
-    # placeholder figures for a small AVX-512 host; `tidal plan calibrate` measures the real ones
-    "cpu": Device("cpu", 16 * GB, {"bf16": 100e9, "fp32": 50e9, "int8": 200e9}, 10e9, 20e9,
-                  interconnect_bandwidth=5e9, interconnect_latency=50e-6, gemm_efficiency=1.0, bandwidth_efficiency=1.0,
-                  step_overhead=3e-3, layer_overhead=0.0, request_overhead=100e-6,
-                  kv_cache_memory_bytes=4 * 2**30),
+    # the reference CPU's calibration (`tidal plan calibrate --serve-result`, docs/planner.md "Measured:
+    # 2026-12-01 (20:07-20:10 UTC)"); a figure the calibration does not measure says so
+    "cpu": Device(
+        "cpu (2-core AMD EPYC Zen 4, AVX-512 BF16)",
+        24 * GB,                       # the host's memory (lscpu / psutil: 24 GB)
+        # the calibration's peak: the largest measured GEMM rate; fp32 and int8 at half and twice it (not measured)
+        {"bf16": 883e9, "fp32": 883e9 / 2, "int8": 2 * 883e9},
+        34.5e9,                        # B/s: the one-row GEMM pass over the weights
+        20e9,                          # elementwise fp32 FLOP/s (the Mamba scan): not measured
+        interconnect_bandwidth=5e9, interconnect_latency=50e-6,  # one host, no tensor parallelism: not measured
+        gemm_efficiency=1.0, bandwidth_efficiency=1.0,          # the figures are achieved rates
+        step_overhead=0.0,             # the fit left no fixed part per step beyond the costs below
+        layer_overhead=0.0,            # not fitted (the calibration's launches are in the costs below)
+        request_overhead=25e-6, token_overhead=47.5e-6,
+        # `tidal serve` (fitted on 0.5 and 6 req/s): nothing per step, 2.49 ms more per step off the skinny
+        # GEMM, 11.3 ms to each request's first token
+        serve_step_overhead=0.0, serve_request_overhead=0.0, serve_wide_step_overhead=2.49e-3,
+        serve_first_token_latency=11.3e-3,
+        skinny_max_rows=4,             # decodes of 1-4 requests run on the skinny bf16 GEMM
+        # achieved bf16 GEMM FLOP/s by rows (one pass over every linear layer); from 256 rows on the calibration
+        # printed 837-883 GFLOP/s: the 1024-row figure is not recorded on its own, taken inside that range
+        gemm_flops_by_rows={1: 34.5e9, 4: 150e9, 16: 503e9, 64: 732e9, 256: 837e9, 1024: 860e9, 2048: 883e9},
+        attention_seconds_per_kv_byte=36.5e-12,         # from memory
+        attention_seconds_per_cached_kv_byte=6.1e-12,   # re-read from the caches (a shared prefix)
+        attention_flops=445e9,                          # query-key products of prompts
+        kv_cache_memory_bytes=4 * 2**30),               # the engine's fixed CPU cache budget
 }
 
 
 def get_device(name: str) -> Device:
     for key, dev in DEVICES.items():
-        if key.lower() == name.lower():
+        if name.lower() in (key.lower(), dev.name.lower()):
             return Device(**asdict(dev))
     raise ValueError(f"unknown device {name!r}; the table has {', '.join(DEVICES)} (or give --calibration FILE)")
 

@@ -93,20 +93,27 @@ def sweep_table(points: list[tuple[float, dict]]) -> str:
     return "\n".join(lines)
 
 
-def plot_latency(points: list[tuple[float, dict]], path: str, title: str) -> str | None:
-    """Write latency against request rate to `path` (PNG). Returns None, or why no plot was written."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        return "matplotlib is not installed (pip install matplotlib): no plot written"
-    rates = [r for r, _ in points]
+def latency_series(points: list[tuple[float, dict]]) -> dict[str, list[float]]:
+    """The plot's data: the request rates, and TTFT and TPOT (ms, p50 and p99) at each."""
+    series = {"rate": [r for r, _ in points]}
+    for metric in ("ttft", "tpot"):
+        for key in ("p50", "p99"):
+            series[f"{key}_{metric}_ms"] = [s[f"{key}_{metric}_ms"] for _, s in points]
+    return series
+
+
+def latency_figure(points: list[tuple[float, dict]], title: str):
+    """A matplotlib Figure of latency against request rate: TTFT (log scale) on the left axes, TPOT on the
+    right, each p50 and p99 (lines labelled "TTFT p50" and so on). Raises ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    series = latency_series(points)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for key, style in (("p50", "-o"), ("p99", "--o")):
-        ax1.plot(rates, [s[f"{key}_ttft_ms"] for _, s in points], style, label=f"TTFT {key}")
-        ax2.plot(rates, [s[f"{key}_tpot_ms"] for _, s in points], style, label=f"TPOT {key}")
+        ax1.plot(series["rate"], series[f"{key}_ttft_ms"], style, label=f"TTFT {key}")
+        ax2.plot(series["rate"], series[f"{key}_tpot_ms"], style, label=f"TPOT {key}")
     ax1.set_yscale("log")  # TTFT grows without bound past saturation (the queue); TPOT levels off
     ax1.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax2.set_ylim(bottom=0)
@@ -117,6 +124,17 @@ def plot_latency(points: list[tuple[float, dict]], path: str, title: str) -> str
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_latency(points: list[tuple[float, dict]], path: str, title: str) -> str | None:
+    """Write latency against request rate to `path` (PNG, 1000 x 400 pixels). Returns None, or why no plot
+    was written."""
+    try:
+        fig = latency_figure(points, title)
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot written"
+    import matplotlib.pyplot as plt
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
