@@ -1,7 +1,7 @@
 """Put a running `tidal serve` under a steady mixed load and take a screenshot of its /dashboard in
 headless Chromium (how docs/dashboard.png is made).
 
-    tidal serve --max-num-seqs 4 --kv-cache-memory-bytes 67108864 --api-key secret &
+    tidal serve --max-num-seqs 4 --max-model-len 2048 --kv-cache-memory-bytes 67108864 --api-key secret &
     python examples/dashboard_screenshot.py --base-url http://127.0.0.1:8000 --api-key secret \\
         --seconds 90 --out docs/dashboard.png
 
