@@ -548,11 +548,21 @@ static int64_t query_tile(int64_t G) {
 // probabilities past a token's length are zero; decodes of requests that share prefix blocks have S = the
 // shared part. Every row is computed exactly as when its token is attended alone (the same chains of
 // products in the same order). qf holds the rows unscaled, in fp32 (it is overwritten); out gets fp32 rows.
+// Where a tile's shared part [0, S) is read: the cache itself, or a copy of those blocks of this head widened
+// to fp32 (TileSource::widened).
+struct TileSource {
+  const void* k;
+  const void* v;
+  const int64_t* table;
+  int64_t h, Hk;
+};
+
 template <bool BF16>
 static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf, int64_t m, int64_t G, int64_t D,
                         float scale, const void* k_cache, const void* v_cache, const int64_t* const* tables,
                         const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs, std::vector<float>& work,
-                        float* acc, float* out) {
+                        float* acc, float* out, const TileSource* src = nullptr) {
+  const TileSource shared = src ? *src : TileSource{k_cache, v_cache, tables[0], h, Hk};
   const int64_t R = m * G;
   int64_t stride = S, ends[8];
   for (int64_t i = 0; i < m; ++i) {
@@ -579,7 +589,7 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
     q = qf;
     q_row_bytes = D * 4;
   }
-  tile.scores(q, scale, k_cache, v_cache, tables[0], 0, S, stride, h, Hk, bs, scores);
+  tile.scores(q, scale, shared.k, shared.v, shared.table, 0, S, stride, shared.h, shared.Hk, bs, scores);
   for (int64_t i = 0; i < m; ++i)
     if (lens[i] > S)
       one.scores(static_cast<char*>(q) + i * G * q_row_bytes, scale, k_cache, v_cache, tables[i], S, lens[i], stride,
@@ -600,7 +610,7 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
     sums = acc;
   }
 #endif
-  tile.acc(probs, pstride, v_cache, tables[0], 0, S, h, Hk, bs, sums, true);
+  tile.acc(probs, pstride, shared.v, shared.table, 0, S, shared.h, shared.Hk, bs, sums, true);
   for (int64_t i = 0; i < m; ++i)
     if (lens[i] > S) {
       const void* pi = BF16 ? static_cast<const void*>(static_cast<const uint32_t*>(probs) + i * G * pstride)
@@ -636,11 +646,15 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
   int64_t QT = 1;
 #if defined(TIDAL_VEC)
   const RowKernels one = bs % W == 0 ? row_kernels_for<KDT, QDT == KDT>(G, D) : RowKernels{};
-  RowKernels tiled;
+  RowKernels tiled, tiled_wide;
   if (one && table_index) {
     QT = query_tile(G);
     tiled = QT > 1 ? row_kernels_for<KDT, QDT == KDT>(QT * G, D) : RowKernels{};
     if (!tiled) QT = 1;
+    // fp32 queries over a bf16 cache: a tile's shared blocks are widened to fp32 once per thread and head, and
+    // the tile runs the fp32-cache kernels over them (the same products in the same order: the same bits),
+    // instead of widening every K and V vector it loads
+    if (QT > 1 && QDT == kF32 && KDT == kBF16) tiled_wide = row_kernels_for<kF32, true>(QT * G, D);
   }
 #endif
   // tiles: queries order[first, first + count) sharing their first `shared` tokens' blocks (0: one query)
@@ -689,15 +703,36 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
     s += n;
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  // the work items (tile, head): tile by tile, its heads together (their K/V sit side by side in each block);
+  // when tiles widen their shared blocks, the tiles of several queries come first, head by head, so that the
+  // next tile a thread takes is often of the same head and over the same blocks, which it keeps widened
+  std::vector<int64_t> items;
+#if defined(TIDAL_VEC)
+  if (tiled_wide) {
+    items.reserve(2 * num_tiles * Hk);
+    for (int64_t h = 0; h < Hk; ++h)
+      for (int64_t t = 0; t < num_tiles; ++t)
+        if (tiles[t].count > 1) items.insert(items.end(), {t, h});
+    for (int64_t t = 0; t < num_tiles; ++t)
+      if (tiles[t].count == 1)
+        for (int64_t h = 0; h < Hk; ++h) items.insert(items.end(), {t, h});
+  }
+#endif
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> qf(QT * G * D), acc(QT * G * D), res(QT * G * D), work;
     int64_t lens[8];
     const int64_t* tabs[8];
+#if defined(TIDAL_VEC)
+    // the widened blocks (tiled_wide): K and V of head wide_h for the cache blocks wide_ids, in that order
+    std::vector<float> wide_k, wide_v;
+    std::vector<int64_t> wide_ids, wide_table;
+    int64_t wide_h = -1;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_tiles * Hk; ++item) {
-      const Tile& tile = tiles[item / Hk];
-      const int64_t h = item % Hk, n = tile.count;
+      const Tile& tile = tiles[items.empty() ? item / Hk : items[2 * item]];
+      const int64_t h = items.empty() ? item % Hk : items[2 * item + 1], n = tile.count;
       const int64_t m = n > 1 ? QT : 1;  // a partial tile repeats its last query (results unused)
       for (int64_t i = 0; i < m; ++i) {
         const int64_t b = order[tile.first + std::min(i, n - 1)];
@@ -708,9 +743,31 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
 #if defined(TIDAL_VEC)
       if (one) {
         const int64_t S = n > 1 ? tile.shared : lens[0];
-        (one.bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale, k_cache,
-                                                        v_cache, tabs, lens, S, h, Hk, bs, work, acc.data(),
-                                                        res.data());
+        if (QDT == kF32 && KDT == kBF16 && n > 1 && tiled_wide) {
+          const int64_t blocks = (S + bs - 1) / bs, chunk = D * bs;
+          if (wide_h != h) wide_ids.clear();
+          wide_h = h;
+          if (static_cast<int64_t>(wide_table.size()) < blocks) {
+            wide_k.resize(blocks * chunk);
+            wide_v.resize(blocks * chunk);
+            for (int64_t j = static_cast<int64_t>(wide_table.size()); j < blocks; ++j) wide_table.push_back(j);
+          }
+          for (int64_t j = 0; j < blocks; ++j) {  // blocks already widened (the same ids, in order) are kept
+            const int64_t id = tabs[0][j];
+            if (j < static_cast<int64_t>(wide_ids.size()) && wide_ids[j] == id) continue;
+            widen<KDT>(k_cache, (id * Hk + h) * chunk, chunk, wide_k.data() + j * chunk);
+            widen<KDT>(v_cache, (id * Hk + h) * chunk, chunk, wide_v.data() + j * chunk);
+            if (j < static_cast<int64_t>(wide_ids.size())) wide_ids[j] = id;
+            else wide_ids.push_back(id);
+          }
+          const TileSource wide{wide_k.data(), wide_v.data(), wide_table.data(), 0, 1};
+          attend_tile<false>(tiled_wide, one, qf.data(), m, G, D, scale, k_cache, v_cache, tabs, lens, S, h, Hk, bs,
+                             work, acc.data(), res.data(), &wide);
+        } else {
+          (one.bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale,
+                                                          k_cache, v_cache, tabs, lens, S, h, Hk, bs, work,
+                                                          acc.data(), res.data(), nullptr);
+        }
       } else
 #endif
       {
