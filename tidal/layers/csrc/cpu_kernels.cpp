@@ -651,10 +651,11 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
     QT = query_tile(G);
     tiled = QT > 1 ? row_kernels_for<KDT, QDT == KDT>(QT * G, D) : RowKernels{};
     if (!tiled) QT = 1;
-    // fp32 queries over a bf16 cache: a tile's shared blocks are widened to fp32 once per thread and head, and
-    // the tile runs the fp32-cache kernels over them (the same products in the same order: the same bits),
-    // instead of widening every K and V vector it loads
-    if (QT > 1 && QDT == kF32 && KDT == kBF16) tiled_wide = row_kernels_for<kF32, true>(QT * G, D);
+    // a bf16 or E4M3 cache read by the fp32 kernels (not VDPBF16PS: fp32 queries, or any build without AVX-512
+    // BF16): a tile's shared blocks are widened to fp32 once per thread and head, and the tile runs the
+    // fp32-cache kernels over them (the same products in the same order: the same bits), instead of
+    // widening every K and V vector it loads
+    if (QT > 1 && KDT != kF32 && !tiled.bf16) tiled_wide = row_kernels_for<kF32, true>(QT * G, D);
   }
 #endif
   // tiles: queries order[first, first + count) sharing their first `shared` tokens' blocks (0: one query)
@@ -743,7 +744,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
 #if defined(TIDAL_VEC)
       if (one) {
         const int64_t S = n > 1 ? tile.shared : lens[0];
-        if (QDT == kF32 && KDT == kBF16 && n > 1 && tiled_wide) {
+        if (KDT != kF32 && n > 1 && tiled_wide) {
           const int64_t blocks = (S + bs - 1) / bs, chunk = D * bs;
           if (wide_h != h) wide_ids.clear();
           wide_h = h;
