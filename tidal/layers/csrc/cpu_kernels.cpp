@@ -548,8 +548,8 @@ static int64_t query_tile(int64_t G) {
 // probabilities past a token's length are zero; decodes of requests that share prefix blocks have S = the
 // shared part. Every row is computed exactly as when its token is attended alone (the same chains of
 // products in the same order). qf holds the rows unscaled, in fp32 (it is overwritten); out gets fp32 rows.
-// Where a tile's shared part [0, S) is read: the cache itself, or a copy of those blocks of this head widened
-// to fp32 (TileSource::widened).
+// Where a tile's shared part [0, S) is read: the cache itself (src null), or a copy of those blocks of this
+// head widened to fp32, one block after the other (decode's tiled_wide: table 0, 1, ..., head 0 of 1).
 struct TileSource {
   const void* k;
   const void* v;
