@@ -31,8 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's tidal, whatever is installed
 
 from tidal.benchmarks import datasets  # noqa: E402
+from tidal.benchmarks.sweep import sweep_seed  # noqa: E402
 from tidal.planner import report, workload  # noqa: E402
-from tidal.planner.calibrate import simulate_sweep, sweep_seed, sweep_warmup_requests  # noqa: E402
+from tidal.planner.calibrate import simulate_sweep, sweep_warmup_requests  # noqa: E402
 from tidal.planner.devices import load_calibration  # noqa: E402
 from tidal.planner.model import profile_model  # noqa: E402
 from tidal.planner.simulator import EngineSettings, simulate  # noqa: E402

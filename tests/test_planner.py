@@ -530,7 +530,8 @@ def test_a_serve_sweep_is_simulated_as_it_runs(smollm2):
     of its first prompt cached (the probe `tidal bench serve` sends first). A run of prompts sent before
     finds all but their last block cached."""
     from tidal.benchmarks import datasets
-    from tidal.planner.calibrate import simulate_sweep, sweep_seed, sweep_warmup_requests
+    from tidal.benchmarks.sweep import sweep_seed
+    from tidal.planner.calibrate import simulate_sweep, sweep_warmup_requests
     runs = [(datasets.random_requests(8, (128, 128), (8, 8), sweep_seed(i)), rate, 1.0, sweep_seed(i))
             for i, rate in enumerate((4.0, 8.0))]
     again = (runs[0][0], 8.0, 1.0, sweep_seed(0))
@@ -563,7 +564,8 @@ def test_the_serving_fit_recovers_the_figures_that_produced_the_runs(smollm2):
     those figures back: the cost per step and the wide step's from the TPOTs (a low rate: mostly skinny
     decodes; a high one: wider batches), the latency from the TTFTs."""
     from tidal.benchmarks import datasets
-    from tidal.planner.calibrate import fit_serve, simulate_sweep, sweep_seed, sweep_warmup_requests
+    from tidal.benchmarks.sweep import sweep_seed
+    from tidal.planner.calibrate import fit_serve, simulate_sweep, sweep_warmup_requests
     truth = _served_device()
     truth.serve_request_overhead, truth.serve_wide_step_overhead, truth.skinny_max_rows = 0.0, 6e-3, 4
     truth.serve_first_token_latency = 0.012

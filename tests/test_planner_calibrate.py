@@ -90,7 +90,7 @@ def test_calibrate_serve_runs_the_sweep_the_fit_simulates_then_stops_the_server(
     # the defaults are the validated calibration's (docs/planner.md)
     assert calibrate.ServeSweep() == calibrate.ServeSweep((0.5, 6.0), 16, 128, 64, 2048)
     assert events == ["start", ("run", float("inf"), calibrate.SWEEP_WARMUP, calibrate.SWEEP_WARMUP_SEED),
-                      ("run", 0.5, 16, calibrate.sweep_seed(0)), ("run", 6.0, 16, calibrate.sweep_seed(1)), "stop"]
+                      ("run", 0.5, 16, sweep.sweep_seed(0)), ("run", 6.0, 16, sweep.sweep_seed(1)), "stop"]
     cmd = servers[0].cmd
     assert cmd[cmd.index("serve") + 1] == "some-model" and cmd[cmd.index("--port") + 1] == str(servers[0].port)
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--max-model-len") + 1] == "2048"

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-# the sweep's warm-up and seeds (tidal.benchmarks.sweep), which the planner simulates
-from tidal.benchmarks.sweep import SWEEP_WARMUP, SWEEP_WARMUP_SEED, SweepError, sweep_seed  # noqa: F401 (sweep_seed)
+# the sweep's warm-up (tidal.benchmarks.sweep), which the planner simulates
+from tidal.benchmarks.sweep import SWEEP_WARMUP, SWEEP_WARMUP_SEED, SweepError
 from tidal.planner.cost import CostModel, StepShape
 from tidal.planner.devices import Device, get_device
 from tidal.planner.model import ModelProfile, profile_model
