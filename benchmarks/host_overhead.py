@@ -51,6 +51,8 @@ def main() -> None:
                     help="batch-invariant mode (docs/batch_invariance.md); default: the engine's (on where supported)")
     args = ap.parse_args()
 
+    import torch
+
     from tidal import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               quantization=args.quantization,
@@ -77,11 +79,12 @@ def main() -> None:
                                SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
         in_model[0], steps, generated = 0.0, 0, 0
         t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    generated += len(out.outputs[0].token_ids)
-            steps += 1
+        with torch.inference_mode():  # held over the steps, as LLM.generate and the engine thread hold it
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        generated += len(out.outputs[0].token_ids)
+                steps += 1
         wall = time.perf_counter() - t0
         res = {"steps": steps, "wall_s": round(wall, 3), "gen_tok_s": round(generated / wall, 1),
                "step_ms": round(1e3 * wall / steps, 3)}

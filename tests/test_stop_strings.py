@@ -10,12 +10,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidal import SamplingParams
 from tidal.engine.output_processor import OutputProcessor
 from tidal.engine.stop_checker import append_tokens
 from tidal.request import Request
-from tidal.tokenizer import IncrementalDetokenizer, check_stop_strings
+from tidal.tokenizer import IncrementalDetokenizer, byte_level_decoder, check_stop_strings, window_decoder
 
 MAX_TOKENS = 40
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
@@ -190,6 +192,31 @@ def test_incremental_detokenizer_equals_full_decode(_smollm2_session, text, with
     assert "".join(pieces) == tok.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces), "a piece holds half a character"
     assert sum(1 for p in pieces if p == "") > 0 or text.isascii()  # multi-byte characters spanned tokens
+
+
+def test_byte_level_table_decodes_every_token_as_the_rust_tokenizer(_smollm2_session):
+    backend = _smollm2_session.get_tokenizer()._tokenizer
+    decode = byte_level_decoder(backend)
+    assert decode is not None and window_decoder(_smollm2_session.get_tokenizer()) is decode
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        for skip in (False, True):
+            assert decode([i], skip) == backend.decode([i], skip_special_tokens=skip), i
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(0, 49151), st.integers(0, 300)), min_size=1, max_size=16),
+       skip=st.booleans())
+def test_byte_level_table_decodes_any_ids_as_the_rust_tokenizer(_smollm2_session, ids, skip):
+    """Windows of any ids (low ids: special tokens and single bytes, so split and invalid UTF-8 too)."""
+    backend = _smollm2_session.get_tokenizer()._tokenizer
+    assert byte_level_decoder(backend)(ids, skip) == backend.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_level_table_only_for_a_byte_level_decoder():
+    from tokenizers import Tokenizer, decoders, models
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    assert byte_level_decoder(wordpiece) is None
 
 
 def test_incremental_detokenizer_skips_special_tokens(_smollm2_session):

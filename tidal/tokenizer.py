@@ -24,7 +24,7 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-6:])  # context for spacing; never emitted
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
-        self._decode = _window_decoder(tokenizer)
+        self._decode = window_decoder(tokenizer)
         if spaces_between_special_tokens and not skip_special_tokens:
             self._decode = _spaced_decoder(self._decode, special_token_ids(tokenizer))
 
@@ -40,14 +40,75 @@ class IncrementalDetokenizer:
         return ""
 
 
-def _window_decoder(tokenizer):
-    """tokenizer.decode, or the Rust tokenizer's own decode where that is what it would run anyway (a
-    transformers fast tokenizer without clean_up_tokenization_spaces)."""
+def window_decoder(tokenizer):
+    """tokenizer.decode, or where that is what it would run anyway (a transformers fast tokenizer without
+    clean_up_tokenization_spaces) the Rust tokenizer's own decode, or for a byte-level BPE one (GPT-2,
+    Llama 3, Qwen, SmolLM) the same decode from a table of each token's bytes."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and type(backend).__module__.startswith("tokenizers") and \
             not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return backend.decode
+        return byte_level_decoder(backend) or backend.decode
     return tokenizer.decode
+
+
+_BYTE_LEVEL_DECODERS: dict[int, object] = {}  # id(backend) -> (backend, decode)
+
+
+def byte_level_decoder(backend):
+    """backend.decode(ids, skip_special_tokens) in Python, for a tokenizers.Tokenizer whose decoder is
+    ByteLevel alone (or None otherwise): each model token is the bytes its characters stand for (GPT-2's
+    byte-to-character map; a token with a character outside the map is its own UTF-8), each added token
+    its content, special ones left out when skipped, and the bytes of a window decoded as UTF-8 with each
+    invalid sequence replaced by U+FFFD, as Rust's from_utf8_lossy does. The same text as the Rust decode
+    (tests/test_stop_strings.py compares them over random ids), without a call into it: a detokenizer
+    decodes two windows per token of every running request, every step. Built once per tokenizer (the
+    whole vocabulary, ~0.1 s for 150k tokens)."""
+    cached = _BYTE_LEVEL_DECODERS.get(id(backend))
+    if cached is not None and cached[0] is backend:
+        return cached[1]
+    import tokenizers
+    if type(backend.decoder) is not tokenizers.decoders.ByteLevel:
+        return None
+    chars = _byte_level_chars()
+    to_bytes = str.maketrans({c: chr(b) for b, c in enumerate(chars)})
+    known = set(chars)
+    size = backend.get_vocab_size(with_added_tokens=True)
+    added = backend.get_added_tokens_decoder()
+    table: list[bytes] = [b""] * size
+    for token, i in backend.get_vocab(with_added_tokens=True).items():
+        if i >= size:
+            return None
+        if i in added:
+            table[i] = added[i].content.encode()
+        elif known.issuperset(token):
+            table[i] = token.translate(to_bytes).encode("latin-1")
+        else:
+            table[i] = token.encode()
+    skipped = list(table)
+    for i, token in added.items():
+        if token.special:
+            skipped[i] = b""
+    join = b"".join
+
+    def decode(ids, skip_special_tokens: bool = False) -> str:
+        rows = skipped if skip_special_tokens else table
+        return join([rows[i] for i in ids]).decode("utf-8", "replace")
+
+    _BYTE_LEVEL_DECODERS[id(backend)] = (backend, decode)
+    return decode
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's map of the 256 byte values to printable characters (tokenizers' ByteLevel, bytes_char)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:

@@ -41,6 +41,8 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+import torch
+
 from tidal.config import EngineConfig
 from tidal.engine.llm_engine import LLMEngine, PromptType, StepError
 from tidal.outputs import RequestOutput
@@ -260,6 +262,10 @@ class AsyncLLM:
         _resolve(loop, future, result, error)
 
     def _run(self) -> None:
+        with torch.inference_mode():  # the guard of every step, entered once for the thread (ModelRunner.execute)
+            self._run_steps()
+
+    def _run_steps(self) -> None:
         engine = self.engine
         failures = 0  # steps failed in a row
         drained = False  # drain()'s deadline has passed and the requests left were aborted

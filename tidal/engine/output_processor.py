@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tidal.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tidal.request import Request
 from tidal.sampling_params import SamplingParams
-from tidal.tokenizer import IncrementalDetokenizer
+from tidal.tokenizer import IncrementalDetokenizer, window_decoder
 
 if TYPE_CHECKING:
     from tidal.layers.sampler import PromptTokenLogprobs, TokenLogprobs
@@ -55,6 +55,8 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            window_decoder(tokenizer)  # a byte-level tokenizer's table is built now, not by the first request
         self.states: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, tuple[str, int]] = {}
 

@@ -17,9 +17,6 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
@@ -71,16 +68,18 @@ class EngineStats:
         if history is None:
             history = self.step_history = deque(maxlen=STEP_HISTORY)
         history.append((self.num_steps, time.time(), prefill, decode, num_requests))  # one tuple, no more
-        self.num_running, self.num_waiting = scheduler.num_running, scheduler.num_waiting
-        self.kv_usage = kv_manager.usage
+        # (the running/waiting/KV-usage gauges are read from the scheduler where shown, not copied here)
         self.num_preemptions = scheduler.num_preemptions
         self.prefix_queries, self.prefix_hits = kv_manager.prefix_queries, kv_manager.prefix_hits
         used_blocks = kv_manager.pool.num_used_blocks
         if used_blocks:
-            tokens = sum(r.num_computed_tokens for r in scheduler.running)
             # A block shared through the prefix cache is in several block tables but holds its
             # tokens once; only full blocks are shared, so each extra reference over-counts a block.
-            refs = sum(len(kv_manager.req_to_blocks.get(r.request_id, ())) for r in scheduler.running)
+            tokens = refs = 0
+            held = kv_manager.req_to_blocks
+            for r in scheduler.running:
+                tokens += r.num_computed_tokens
+                refs += len(held.get(r.request_id, ()))
             tokens -= (refs - used_blocks) * kv_manager.block_size
             self.kv_util_sum += min(1.0, tokens / (used_blocks * kv_manager.block_size))
             self.kv_util_steps += 1

@@ -95,24 +95,26 @@ class Reply:
 def stream(engine, prompt, params, out=None) -> Reply:
     """Run one request to the end, writing each new piece of text to out (default: stdout) as soon
     as it exists. params should have output_kind="delta"."""
+    import torch  # loaded with the engine already; not at the top, so `--help` stays quick
     out = out if out is not None else sys.stdout
     request_id = engine.next_request_id()
     engine.add_request(request_id, prompt, params)
     pieces, num_tokens, finish_reason = [], 0, None
     t0 = time.perf_counter()
     try:
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.request_id != request_id:
-                    continue
-                sample = output.outputs[0]
-                num_tokens += len(sample.token_ids)
-                if sample.text:
-                    out.write(sample.text)
-                    out.flush()
-                    pieces.append(sample.text)
-                if output.finished:
-                    finish_reason = sample.finish_reason
+        with torch.inference_mode():  # once for all the steps (ModelRunner.execute)
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    sample = output.outputs[0]
+                    num_tokens += len(sample.token_ids)
+                    if sample.text:
+                        out.write(sample.text)
+                        out.flush()
+                        pieces.append(sample.text)
+                    if output.finished:
+                        finish_reason = sample.finish_reason
     except BaseException:
         engine.abort_request([request_id])  # leave the engine clean (Ctrl-C in chat keeps the session)
         raise

@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Sequence
 
+import torch
+
 from tidal.config import EngineConfig
 from tidal.engine.llm_engine import LLMEngine
 from tidal.outputs import RequestOutput
@@ -84,9 +86,11 @@ class LLM:
                        postfix="output: 0 toks/s")
         t0, out_tokens = time.perf_counter(), 0
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
+            with torch.inference_mode():  # once for all the steps, not entered by each (ModelRunner.execute)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if not out.finished:
+                            continue
                         results[out.request_id] = out
                         if bar is not None:
                             out_tokens += sum(len(o.token_ids) for o in out.outputs)

@@ -270,10 +270,18 @@ class ModelRunner:
         self.input_batch.update(so)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """One step under torch.inference_mode: the caller's where its loop holds it for all its steps (as
+        LLM.generate and the engine thread do: entering the guard is no longer a per-step cost), else
+        torch's own guard around this step."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(so)
         with torch._C._InferenceMode(True):  # torch.inference_mode's own guard, without its Python wrapper
-            self.update_states(so)
-            self.restore_states(so.scheduled)
-            return self.run(so.scheduled, so)
+            return self._execute(so)
+
+    def _execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self.update_states(so)
+        self.restore_states(so.scheduled)
+        return self.run(so.scheduled, so)
 
     def run(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None = None,
             compute_logits: bool = True) -> RunnerOutput:
