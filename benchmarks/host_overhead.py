@@ -30,6 +30,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import workload  # noqa: E402
 
+# the model's calls (its time): the forward, the LM head, and the LM head that also finds greedy tokens
+MODEL_CALLS = ("forward", "compute_logits", "compute_greedy_tokens")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -62,7 +65,7 @@ def main() -> None:
     model = getattr(getattr(engine, "runner", None), "model", None)
     in_model = [0.0]
     if model is not None and args.tensor_parallel_size * args.pipeline_parallel_size == 1:
-        for name in ("forward", "compute_logits"):
+        for name in [n for n in MODEL_CALLS if hasattr(model, n)]:
             inner = getattr(model, name)
 
             def timed(*a, _inner=inner, **kw):
@@ -97,7 +100,7 @@ def main() -> None:
     if args.cached_forward:
         if model is None or args.tensor_parallel_size * args.pipeline_parallel_size != 1:
             sys.exit("--cached-forward needs the model in this process (no tensor or pipeline parallelism)")
-        for name in ("forward", "compute_logits"):
+        for name in [n for n in MODEL_CALLS if hasattr(model, n)]:
             setattr(model, name, cached_by_shape(getattr(model, name)))
     run(workload.warm_up(args.workload))
     runs = []
@@ -121,15 +124,16 @@ def main() -> None:
 
 
 def cached_by_shape(fn):
-    """fn, returning (a clone of) what it returned the first time for a first argument of the same shape."""
+    """fn, returning (a copy of) what it returned the first time for a first argument of the same shape."""
     outputs = {}
 
     def cached(*a, **kw):
         key = tuple(a[0].shape)
-        out = outputs.get(key)
-        if out is None:
-            out = outputs[key] = fn(*a, **kw).clone()
-        return out
+        if key not in outputs:
+            out = fn(*a, **kw)
+            outputs[key] = out.clone() if hasattr(out, "clone") else out
+        out = outputs[key]
+        return list(out) if isinstance(out, list) else out
     return cached
 
 

@@ -110,3 +110,29 @@ def test_fp32_compute_with_bf16_weights_is_batch_invariant(bf16_checkpoint):
         batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[0].outputs[0]
     assert alone.token_ids == batched.token_ids
     assert alone.logprobs == batched.logprobs
+
+
+def test_greedy_bf16_decodes_take_their_tokens_from_the_lm_head_kernel(bf16_checkpoint):
+    """With bf16 weights packed at load (AVX-512 BF16), the LM head of plain greedy steps of 1-4 rows finds
+    each row's token as it computes the logits, and those are the tokens the sampler's argmax picks from
+    the logits (the path a request asking for logprobs takes); elsewhere the LM head finds none and the
+    sampler runs."""
+    from tidal.layers.cpu_kernels import packed_gemm_available
+    path, _ = bf16_checkpoint
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 20, 60, 512, seed=5)]
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8)
+    model = llm.llm_engine.runner.model
+    found, fused = [], model.compute_greedy_tokens
+
+    def counted(hidden):
+        found.append(fused(hidden))
+        return found[-1]
+    model.compute_greedy_tokens = counted
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert found  # plain greedy steps ask the LM head
+    assert all(f is not None for f in found) == packed_gemm_available()
+    found.clear()
+    sampled = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+                           use_tqdm=False)
+    assert not found  # logprobs: the sampler's path
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]

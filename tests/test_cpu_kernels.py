@@ -243,6 +243,38 @@ def test_packed_gemm_gives_the_blocked_gemms_bits_for_any_number_of_rows(isa, n,
                        cpu_kernels.bf16_linear(x[:2].contiguous(), w, None))
 
 
+@pytest.mark.parametrize("n,k", [(103, 576), (4099, 64), (40, 33)])
+def test_packed_gemm_finds_each_rows_argmax_as_it_stores_the_logits(isa, n, k):
+    """Greedy sampling's LM head: 1-4 rows give the packed kernel's logits and each row's argmax over its
+    first n_valid columns as argmax_rows finds it in them: the first of equal maxima, NaN never winning, a
+    row of NaNs 0, the columns past n_valid (a padded vocabulary) left out."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    w[n // 3] = w[n - 2]  # equal rows: equal logits, wherever they are the largest the first wins
+    x = torch.randn(4, k).bfloat16()
+    x[2] = 0  # a row of equal logits (bias None): the first column
+    bias = torch.randn(n).bfloat16()
+    bias[n // 3] = bias[n - 2] = 100  # the largest logit, at n // 3 and (equal) in the last tile
+    bias[1] = float("nan")
+    packed = cpu_kernels.pack_bf16_weight(w)
+    if isa != "avx512_bf16":
+        assert cpu_kernels.packed_linear_argmax(x[:1], packed, n, k, bias, n) is None
+        return
+    for rows in (1, 2, 3, 4):
+        for b in (bias, None):
+            for n_valid in (n, n - 3, 1):
+                logits, found = cpu_kernels.packed_linear_argmax(x[:rows].contiguous(), packed, n, k, b, n_valid)
+                want = cpu_kernels.packed_linear(x[:rows].contiguous(), packed, n, k, b)
+                assert torch.equal(logits.view(torch.int16), want.view(torch.int16))  # bits: NaN is not equal
+                assert found == cpu_kernels.argmax_rows(logits[:, :n_valid].contiguous()), (rows, n_valid)
+                if b is bias and n_valid == n:
+                    assert found[0] == n // 3
+    nan_bias = torch.full((n,), float("nan")).bfloat16()
+    assert cpu_kernels.packed_linear_argmax(x[:2].contiguous(), packed, n, k, nan_bias, n)[1] == [0, 0]
+    assert cpu_kernels.packed_linear_argmax(x, packed, n, k, None, n)[1][2] == 0
+    assert cpu_kernels.packed_linear_argmax(torch.randn(5, k).bfloat16(), packed, n, k, None, n) is None
+
+
 @pytest.mark.parametrize("k", [576, 67])
 def test_fp32_gemm_rows_do_not_depend_on_the_batch(isa, k):
     """Batch-invariant mode's fp32 product: close to torch's, and a row's bits the same alone (streamed

@@ -223,6 +223,9 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_skinny_gemm_bf16_ordered.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16_packed.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_gemm_bf16_packed_argmax.restype = ctypes.c_int
+    lib.tidal_gemm_bf16_packed_argmax.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+                                                  + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64])
     lib.tidal_unpack_bf16_rows.restype = ctypes.c_int
     lib.tidal_unpack_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
     for name in ("tidal_gemm_bf16_rows", "tidal_linear_f32_rows"):
@@ -345,6 +348,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
         return None
     return _run_linear(x, n, k, bias, lambda xp, bp, op, m: lib.tidal_gemm_bf16_packed(
         xp, packed.data_ptr(), bp, op, m, n, k, torch.get_num_threads()))
+
+
+def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+                         n_valid: int) -> tuple[torch.Tensor, list[int]] | None:
+    """packed_linear of 1-4 rows of x [rows, k] with each row's argmax over its first n_valid outputs (the
+    first index of the largest; argmax_rows' result on them), found by the kernel as it stores the outputs:
+    greedy sampling's LM head, without a second pass over the logits (from the other threads' caches).
+    None when it does not apply (other row counts, no AVX-512 BF16 build)."""
+    lib = _GEMM_LIB.get()
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if lib is None or not 1 <= rows <= SKINNY_MAX_ROWS or x.dtype != torch.bfloat16 or (
+            bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    buffers = _ARGMAX_OUT.__dict__
+    found = buffers.get(rows)
+    if found is None:
+        array = np.empty(rows, dtype=np.int64)
+        found = buffers[rows] = (array, array.ctypes.data)
+    logits = _run_linear(x, n, k, bias, lambda xp, bp, op, m: lib.tidal_gemm_bf16_packed_argmax(
+        xp, packed.data_ptr(), bp, op, m, n, k, torch.get_num_threads(), found[1], n_valid))
+    return None if logits is None else (logits, found[0].tolist())
 
 
 def _run_linear(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, call) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from tidal.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from tidal.layers.cpu_kernels import unpack_bf16_rows
+from tidal.layers.cpu_kernels import packed_linear_argmax, unpack_bf16_rows
 from tidal.layers.gguf_kernels import gguf_linear
 from tidal.layers.linear import cpu_linear
 from tidal.layers.quantization.gguf import packed_lookup
@@ -75,3 +75,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = weight_only_linear(hidden, self.weight, self.weight_scale, None)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Each row's argmax over the vocabulary (greedy sampling: the first index of the largest logit, as
+        argmax_rows gives on compute_logits' output), found by the LM head's kernel as it computes the
+        logits, where one does (bf16 weights packed at load, 1-4 rows, one rank); None elsewhere."""
+        packed = getattr(self.weight, "bf16_packed", None)
+        if packed is None or self.tp_size > 1 or self.weight_scale is not None or hidden.dim() != 2:
+            return None
+        found = packed_linear_argmax(hidden, self.weight, *packed, None, self.vocab_size)
+        return None if found is None else found[1]

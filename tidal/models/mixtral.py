@@ -56,6 +56,10 @@ class MixtralForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """The argmax of compute_logits(hidden) per row, where the LM head's kernel finds it (else None)."""
+        return self.lm_head.greedy_tokens(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq", "experts.w13_weight", "experts.w2_weight")
         skip += ("lm_head.weight",) if self.tied else ()

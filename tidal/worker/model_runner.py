@@ -33,7 +33,14 @@ from tidal.layers.attention.kv_cache_dtype import FP8, describe_kv_cache_dtype, 
 from tidal.layers.attention.layer import kv_cache_shape
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.rejection_sampler import accept_point_mass
-from tidal.layers.sampler import PromptTokenLogprobs, Sampler, SamplingMetadata, TokenLogprobs, prompt_logprobs
+from tidal.layers.sampler import (
+    PromptTokenLogprobs,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    TokenLogprobs,
+    prompt_logprobs,
+)
 from tidal.platforms import get_platform
 from tidal.sampling_params import SamplingParams
 from tidal.worker.input_batch import InputBatch, StepInputs
@@ -313,9 +320,13 @@ class ModelRunner:
         if rows:
             # every token samples (decodes): no gather
             picked = hidden if len(rows) == step.num_tokens else hidden[self._on_device(list(rows))]
-            logits = self._compute_logits(picked)
             sample_only = [r for _, r in sample_reqs]
-            result = self.sampler(logits, self._sampling_metadata(so, sample_only, logits.shape[-1]))
+            greedy = self._plain_greedy(so, sample_only)
+            if greedy and (tokens := self._greedy_tokens(picked)) is not None:
+                result = SamplerOutput(tokens, [None] * len(tokens))
+            else:
+                logits = self._compute_logits(picked)
+                result = self.sampler(logits, self._sampling_metadata(so, sample_only, logits.shape[-1], greedy))
             j = 0
             for _, r in sample_reqs:
                 k = len(r.spec_token_ids)
@@ -353,13 +364,25 @@ class ModelRunner:
         """The LM head over the rows that sample: one row per request (or per draft), never a prompt's
         other rows, so the skinny GEMM may take them (see ForwardContext.skinny_gemm). In the model's
         dtype: the sampler widens them where it needs to."""
-        n, invariant = hidden.shape[0], self.batch_invariant
+        with set_forward_context(self._lm_head_context(hidden.shape[0])), self._clock.timed():
+            return self.model.compute_logits(hidden)
+
+    def _greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """Rows that only need an argmax: the model's LM head finds it as it computes the logits where its
+        kernel can (the same tokens as the sampler's argmax of _compute_logits); None elsewhere."""
+        fused = getattr(self.model, "compute_greedy_tokens", None)
+        if fused is None:
+            return None
+        with set_forward_context(self._lm_head_context(hidden.shape[0])), self._clock.timed():
+            return fused(hidden)
+
+    def _lm_head_context(self, n: int) -> ForwardContext:
+        invariant = self.batch_invariant
         ctx = self._lm_head_contexts.get((n, invariant))
         if ctx is None:  # the layers only read it: one per row count
             ctx = self._lm_head_contexts[n, invariant] = ForwardContext(n, n, [], skinny_gemm=True,
                                                                         batch_invariant=invariant)
-        with set_forward_context(ctx), self._clock.timed():
-            return self.model.compute_logits(hidden)
+        return ctx
 
     @staticmethod
     def _grammar_rows(so: SchedulerOutput | None, sample_reqs: list[ScheduledRequest]):
@@ -381,15 +404,22 @@ class ModelRunner:
         """A list of ints (or bools) as a tensor on the device (int64 for ints, as torch.tensor makes it)."""
         return to_device(torch.tensor(values), self.device)
 
+    def _plain_greedy(self, so: SchedulerOutput | None, sample_reqs: list[ScheduledRequest]) -> bool:
+        """Whether every row only needs an argmax: greedy requests without logprobs or penalties, past their
+        min_tokens (no banned ids), no grammar."""
+        requests = self.input_batch.requests
+        return (so is None or so.grammar_bitmask is None) and all(
+            (st := requests[r.request_id]).plain_greedy and st.sampling_params.min_tokens
+            <= r.start_pos + r.num_tokens - len(r.spec_token_ids) - st.num_prompt_tokens for r in sample_reqs)
+
     def _sampling_metadata(self, so: SchedulerOutput | None, sample_reqs: list[ScheduledRequest],
-                           vocab_size: int) -> SamplingMetadata:
-        """One row per token drawn: for each sampling request, after its last known token, then after each
-        of its drafts. A row's draw index is the number of output tokens before it, which with a seed
-        fixes its noise; its penalties see the drafts before it as outputs."""
+                           vocab_size: int, plain_greedy: bool) -> SamplingMetadata:
+        """One row per token drawn (plain_greedy: _plain_greedy's answer for them): for each sampling
+        request, after its last known token, then after each of its drafts. A row's draw index is the number
+        of output tokens before it, which with a seed fixes its noise; its penalties see the drafts before it
+        as outputs."""
         batch = self.input_batch
-        if (so is None or so.grammar_bitmask is None) and all(
-                (st := batch.requests[r.request_id]).plain_greedy and st.sampling_params.min_tokens
-                <= r.start_pos + r.num_tokens - len(r.spec_token_ids) - st.num_prompt_tokens for r in sample_reqs):
+        if plain_greedy:
             return SamplingMetadata.plain_greedy(sum(1 + len(r.spec_token_ids) for r in sample_reqs), self.device)
         params, draw_index, banned, prompts, outputs = [], [], [], [], []
         penalised = False

@@ -19,6 +19,7 @@
 // AVX-512 BF16 only: VDPBF16PS with lanes over rows of x, the weight pairs broadcast from the plain
 // layout (no repacked copy of the weights), rows independent of each other (see gemm_bf16).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
@@ -503,9 +504,13 @@ static void skinny_bf16_ordered(const uint16_t* x, const void* wv, const uint16_
 // side to hide VDPBF16PS latency. More rows take gemm_bf16 over the same layout.
 
 // rows [0, M) of x (M <= 4) as pairs, zero-padded to an odd K's last pair
+// argmax (or null): argmax[m] = the first column < n_valid holding row m's largest output as stored (bf16,
+// NaN never wins; 0 when every one is NaN), what tidal_argmax_rows gives on out[:, :n_valid]: found as the
+// tiles are stored, each thread over its own tiles, so greedy sampling reads the logits no more.
 template <int M>
 static void skinny_bf16_packed(const uint16_t* x, const uint32_t* wpk, const uint16_t* bias, uint16_t* out,
-                               int64_t N, int64_t K, int num_threads) {
+                               int64_t N, int64_t K, int num_threads, int64_t* argmax = nullptr,
+                               int64_t n_valid = 0) {
   const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
   uint32_t xpairs[M][1024];  // K <= 2048 here (the caller checks); larger K takes the heap copy
   std::vector<uint32_t> heap;
@@ -522,10 +527,20 @@ static void skinny_bf16_packed(const uint16_t* x, const uint32_t* wpk, const uin
   }
   const int64_t tiles = (N + 15) / 16;
   constexpr int TG = 1;  // tiles side by side: M * TG accumulators
+  std::vector<float> best_v(argmax ? num_threads * M : 0);  // per thread and row: its tiles' maximum
+  std::vector<int64_t> best_i(argmax ? num_threads * M : 0, -1);  // and where it is first (-1: none)
 #pragma omp parallel num_threads(num_threads)
   {
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t t_begin = tiles * id / nt, t_end = tiles * (id + 1) / nt;
+    // per lane: the largest output stored so far and its column (-1: none yet), for argmax
+    __m512 lane_v[M];
+    __m512i lane_i[M];
+    for (int m = 0; m < M; ++m) {
+      lane_v[m] = _mm512_set1_ps(-INFINITY);
+      lane_i[m] = _mm512_set1_epi32(-1);
+    }
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += TG) {
       const int tg = (int)std::min<int64_t>(TG, t_end - t0);
       const uint32_t* w0 = wpk + t0 * tstride;
@@ -557,7 +572,48 @@ static void skinny_bf16_packed(const uint16_t* x, const uint32_t* wpk, const uin
         const __mmask16 nmask = (__mmask16)((1u << nn) - 1);
         const __m512 b = load_bias(bias, n0, nmask);
         for (int m = 0; m < M; ++m) store_row(acc[m][j], b, nmask, out + m * N + n0);
+        if (argmax && n0 < n_valid) {
+          const int nv = (int)std::min<int64_t>(16, n_valid - n0);
+          const __mmask16 vmask = (__mmask16)((1u << nv) - 1);
+          const __m512i cols = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)n0));
+          for (int m = 0; m < M; ++m) {
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(vmask, out + m * N + n0)), 16));
+            // a lane takes its first number, then only a larger one (so the first of equal maxima stays)
+            const __mmask16 first = _mm512_cmplt_epi32_mask(lane_i[m], _mm512_setzero_si512());
+            const __mmask16 take = _mm512_mask_cmp_ps_mask(vmask & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q),
+                                                           v, lane_v[m], _CMP_GT_OQ) |
+                                   (first & vmask & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q));
+            lane_v[m] = _mm512_mask_mov_ps(lane_v[m], take, v);
+            lane_i[m] = _mm512_mask_mov_epi32(lane_i[m], take, cols);
+          }
+        }
       }
+    }
+    if (argmax) {
+      for (int m = 0; m < M; ++m) {
+        alignas(64) float v[16];
+        alignas(64) int32_t i[16];
+        _mm512_store_ps(v, lane_v[m]);
+        _mm512_store_si512(i, lane_i[m]);
+        float bv = -INFINITY;
+        int64_t bi = -1;
+        for (int l = 0; l < 16; ++l)
+          if (i[l] >= 0 && (bi < 0 || v[l] > bv || (v[l] == bv && i[l] < bi))) bv = v[l], bi = i[l];
+        best_v[id * M + m] = bv;
+        best_i[id * M + m] = bi;
+      }
+    }
+  }
+  if (argmax) {
+    for (int m = 0; m < M; ++m) {  // threads in column order: a later one wins only with a larger number
+      float bv = -INFINITY;
+      int64_t bi = -1;
+      for (int t = 0; t < num_threads; ++t) {
+        const int64_t i = best_i[t * M + m];
+        if (i >= 0 && (bi < 0 || best_v[t * M + m] > bv)) bv = best_v[t * M + m], bi = i;
+      }
+      argmax[m] = bi < 0 ? 0 : bi;
     }
   }
 }
@@ -670,6 +726,30 @@ int tidal_gemm_bf16_packed(const void* x, const void* wpk, const void* bias, voi
   return -1;
 #endif
 }
+// tidal_gemm_bf16_packed for M 1..4, and argmax[m] = the first column < n_valid of row m's largest output
+// (tidal_argmax_rows on out[:, :n_valid]). Returns -1 (nothing run) for other M or without AVX-512 BF16.
+int tidal_gemm_bf16_packed_argmax(const void* x, const void* wpk, const void* bias, void* out, int64_t M, int64_t N,
+                                  int64_t K, int num_threads, int64_t* argmax, int64_t n_valid) {
+#if defined(__AVX512BF16__)
+  auto xs = static_cast<const uint16_t*>(x);
+  auto ws = static_cast<const uint32_t*>(wpk);
+  auto bs = static_cast<const uint16_t*>(bias);
+  auto os = static_cast<uint16_t*>(out);
+  n_valid = std::min(n_valid, N);
+  switch (M) {
+    case 1: skinny_bf16_packed<1>(xs, ws, bs, os, N, K, num_threads, argmax, n_valid); return 0;
+    case 2: skinny_bf16_packed<2>(xs, ws, bs, os, N, K, num_threads, argmax, n_valid); return 0;
+    case 3: skinny_bf16_packed<3>(xs, ws, bs, os, N, K, num_threads, argmax, n_valid); return 0;
+    case 4: skinny_bf16_packed<4>(xs, ws, bs, os, N, K, num_threads, argmax, n_valid); return 0;
+    default: return -1;
+  }
+#else
+  (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads; (void)argmax;
+  (void)n_valid;
+  return -1;
+#endif
+}
+
 // x [M, K] bf16, bias [N] bf16 or null, out [M, N] bf16, any M >= 1; the weight w [N, K] in another
 // format, whose rows fn (a function of a sibling library, e.g. gguf_gemm.cpp's tidal_gguf_rows_bf16)
 // turns into plain bf16 rows 16 at a time. Each output is tidal_gemm_bf16's on the plain bf16 weight of
