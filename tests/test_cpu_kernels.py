@@ -407,6 +407,28 @@ def test_decodes_sharing_prefix_blocks_equal_each_alone(dtype, cache_dtype, hq, 
     torch.testing.assert_close(batched.float(), reference, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h", [576, 100, 7])  # whole vectors; vectors and a tail; a tail only
+def test_rms_norm_is_the_reference_computation(isa, dtype, h):
+    """Residual add + RMSNorm, in vector rows where the build has them: the new residual is round(x + r)
+    exactly, the output round(w * round(s * rsqrt(mean(s^2) + eps))) up to the order of the sum of squares,
+    a NaN confined to its row; without a residual the same output from x."""
+    torch.manual_seed(0)
+    x, res = (torch.randn(33, h) * 3).to(dtype), torch.randn(33, h).to(dtype)
+    w = (torch.rand(h) + 0.5).to(dtype)
+    x[4, h // 2] = float("nan")
+    out, new_res = cpu_kernels.rms_norm(x, w, 1e-6, res)
+    summed = x + res
+    torch.testing.assert_close(new_res, summed, atol=0, rtol=0, equal_nan=True)
+    s = summed.float()
+    y = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(out, (w.float() * y).to(dtype), atol=tol, rtol=tol, equal_nan=True)
+    assert out[4].isnan().all() and not out[torch.arange(33) != 4].isnan().any()
+    alone = cpu_kernels.rms_norm(summed, w, 1e-6)
+    torch.testing.assert_close(alone, out, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [49152, 1000, 7])  # lane multiples and ragged tails
 def test_argmax_rows_matches_torch_and_takes_the_first_maximum(dtype, vocab):
