@@ -4,8 +4,9 @@ IncrementalDetokenizer turns a growing list of token ids into text pieces safely
 a piece is emitted only once it decodes to complete characters (no U+FFFD from a multi-byte
 character split across tokens), and the decode window starts a few tokens back so that spacing
 rules of the tokenizer apply as they would to the whole text. With a fast (Rust) tokenizer that needs
-no clean-up pass, the windows are decoded by the Rust tokenizer directly: the same text, without
-transformers' per-call Python work (two decodes per token, for every running request, every step).
+no clean-up pass, the windows are decoded by the Rust tokenizer directly, or for a byte-level BPE one
+from a table of each token's bytes: the same text, without transformers' per-call Python work or a
+call into Rust (two decodes per token, for every running request, every step).
 """
 from __future__ import annotations
 
