@@ -212,6 +212,30 @@ def test_byte_level_table_decodes_any_ids_as_the_rust_tokenizer(_smollm2_session
     assert byte_level_decoder(backend)(ids, skip) == backend.decode(ids, skip_special_tokens=skip)
 
 
+def _byte_level_tokenizer_with_added_tokens():
+    """A byte-level BPE (the 256 byte characters and one merge) with added tokens of every kind: text of
+    byte characters only ("ünï": three bytes of invalid UTF-8 once mapped), with a space, CJK, and special."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["Ġh"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [("Ġ", "h")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(t, special=False) for t in ("hello world", "ünï", "日本")])
+    tok.add_special_tokens([AddedToken("<|end|>", special=True), AddedToken("<é sp>", special=True)])
+    return tok
+
+
+_ADDED = _byte_level_tokenizer_with_added_tokens()
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(0, 261), st.integers(256, 261)), min_size=1, max_size=12),
+       skip=st.booleans())
+def test_byte_level_table_decodes_added_tokens_as_the_rust_tokenizer(ids, skip):
+    assert byte_level_decoder(_ADDED)(ids, skip) == _ADDED.decode(ids, skip_special_tokens=skip)
+
+
 def test_byte_level_table_only_for_a_byte_level_decoder():
     from tokenizers import Tokenizer, decoders, models
     wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"))

@@ -57,10 +57,10 @@ _BYTE_LEVEL_DECODERS: dict[int, object] = {}  # id(backend) -> (backend, decode)
 
 def byte_level_decoder(backend):
     """backend.decode(ids, skip_special_tokens) in Python, for a tokenizers.Tokenizer whose decoder is
-    ByteLevel alone (or None otherwise): each model token is the bytes its characters stand for (GPT-2's
-    byte-to-character map; a token with a character outside the map is its own UTF-8), each added token
-    its content, special ones left out when skipped, and the bytes of a window decoded as UTF-8 with each
-    invalid sequence replaced by U+FFFD, as Rust's from_utf8_lossy does. The same text as the Rust decode
+    ByteLevel alone (or None otherwise): each token, added ones too, is the bytes its characters stand for
+    (GPT-2's byte-to-character map; a token with a character outside the map is its own UTF-8), special
+    ones left out when skipped, and the bytes of a window decoded as UTF-8 with each invalid sequence
+    replaced by U+FFFD, as Rust's from_utf8_lossy does. The same text as the Rust decode
     (tests/test_stop_strings.py compares them over random ids), without a call into it: a detokenizer
     decodes two windows per token of every running request, every step. Built once per tokenizer (the
     whole vocabulary, ~0.1 s for 150k tokens)."""
@@ -79,9 +79,7 @@ def byte_level_decoder(backend):
     for token, i in backend.get_vocab(with_added_tokens=True).items():
         if i >= size:
             return None
-        if i in added:
-            table[i] = added[i].content.encode()
-        elif known.issuperset(token):
+        if known.issuperset(token):
             table[i] = token.translate(to_bytes).encode("latin-1")
         else:
             table[i] = token.encode()
