@@ -10,6 +10,8 @@ call into Rust (two decodes per token, for every running request, every step).
 """
 from __future__ import annotations
 
+import weakref
+
 
 class IncrementalDetokenizer:
     """skip_special_tokens and spaces_between_special_tokens are vLLM's SamplingParams options: special
@@ -52,7 +54,7 @@ def window_decoder(tokenizer):
     return tokenizer.decode
 
 
-_BYTE_LEVEL_DECODERS: dict[int, object] = {}  # id(backend) -> (backend, decode)
+_BYTE_LEVEL_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> its decode
 
 
 def byte_level_decoder(backend):
@@ -64,9 +66,9 @@ def byte_level_decoder(backend):
     (tests/test_stop_strings.py compares them over random ids), without a call into it: a detokenizer
     decodes two windows per token of every running request, every step. Built once per tokenizer (the
     whole vocabulary, ~0.1 s for 150k tokens)."""
-    cached = _BYTE_LEVEL_DECODERS.get(id(backend))
-    if cached is not None and cached[0] is backend:
-        return cached[1]
+    cached = _BYTE_LEVEL_DECODERS.get(backend)
+    if cached is not None:
+        return cached
     import tokenizers
     if type(backend.decoder) is not tokenizers.decoders.ByteLevel:
         return None
@@ -93,7 +95,7 @@ def byte_level_decoder(backend):
         rows = skipped if skip_special_tokens else table
         return join([rows[i] for i in ids]).decode("utf-8", "replace")
 
-    _BYTE_LEVEL_DECODERS[id(backend)] = (backend, decode)
+    _BYTE_LEVEL_DECODERS[backend] = decode  # kept while the tokenizer is (the table holds no reference to it)
     return decode
 
 
