@@ -5,18 +5,19 @@
         [--cached-forward]
 
 Runs one workload of benchmarks/peers/workload.py (greedy, ignore_eos) through `LLMEngine.step` and
-times each step end to end; in one process the model's `forward` and `compute_logits` are timed too
-(the time inside them is the model's, the rest is the host's: scheduling, building inputs, sampling,
-detokenizing, outputs), and the process's resident memory at the end is reported. Under
-tensor/pipeline parallelism only whole steps are timed (the forward runs in the workers). Prints one
-JSON line starting with "RESULT ".
+times each step end to end; in one process the model's `forward` and LM head (`compute_logits`, or
+`compute_greedy_tokens` where the LM head finds greedy tokens itself) are timed too (the time inside them
+is the model's, the rest is the host's: scheduling, building inputs, sampling, detokenizing, outputs),
+and the process's resident memory at the end is reported. Under tensor/pipeline parallelism only whole
+steps are timed (the forward runs in the workers). Prints one JSON line starting with "RESULT ".
 
 --cached-forward: the model's forward and LM head return the output they gave for the same input shape
 (computing it the first time only, from the warm-up on), so a step is the host's work alone and the
 caches stay warm. The tokens are then not the model's (greedy over the same logits); the host work per step is
 the same code. A shape the warm-up did not run is computed in the first measured run: take the median
 of --repeat 3 or more. With the forward, the host's code and data are fetched again from memory after
-each forward has streamed the weights through the caches: the difference between the two is that cost.
+each forward, evicted while it ran (on a shared machine by the time it takes, whatever it reads:
+docs/architecture.md): the difference between the two is that cost.
 """
 from __future__ import annotations
 
