@@ -159,6 +159,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 _ARGMAX_OUT = threading.local()  # argmax_rows' result buffers: {row count: (array, its address)} per thread
 
 
+def _argmax_buffer(rows: int) -> tuple[np.ndarray, int]:
+    """This thread's int64 result buffer for `rows` argmaxes, and its address (made once per row count)."""
+    buffers = _ARGMAX_OUT.__dict__
+    out = buffers.get(rows)
+    if out is None:
+        array = np.empty(rows, dtype=np.int64)
+        out = buffers[rows] = (array, array.ctypes.data)
+    return out
+
+
 def argmax_rows(x: torch.Tensor) -> list[int] | None:
     """torch.argmax(x, -1).tolist() for a contiguous fp32 or bf16 CPU tensor [R, V] (the first index of each
     row's maximum), read once in its own dtype: greedy sampling without widening the logits to fp32 first,
@@ -167,11 +177,7 @@ def argmax_rows(x: torch.Tensor) -> list[int] | None:
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or not x.is_contiguous():
         return None
     rows = x.shape[0]
-    buffers = _ARGMAX_OUT.__dict__
-    out = buffers.get(rows)
-    if out is None:  # one result buffer per row count and thread, its address read once
-        array = np.empty(rows, dtype=np.int64)
-        out = buffers[rows] = (array, array.ctypes.data)
+    out = _argmax_buffer(rows)
     lib.tidal_argmax_rows(x.data_ptr(), rows, x.shape[1], out[1], _DTYPES[x.dtype], torch.get_num_threads())
     return out[0].tolist()
 
@@ -361,11 +367,7 @@ def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, 
     if lib is None or not 1 <= rows <= SKINNY_MAX_ROWS or x.dtype != torch.bfloat16 or (
             bias is not None and bias.dtype != torch.bfloat16):
         return None
-    buffers = _ARGMAX_OUT.__dict__
-    found = buffers.get(rows)
-    if found is None:
-        array = np.empty(rows, dtype=np.int64)
-        found = buffers[rows] = (array, array.ctypes.data)
+    found = _argmax_buffer(rows)
     logits = _run_linear(x, n, k, bias, lambda xp, bp, op, m: lib.tidal_gemm_bf16_packed_argmax(
         xp, packed.data_ptr(), bp, op, m, n, k, torch.get_num_threads(), found[1], n_valid))
     return None if logits is None else (logits, found[0].tolist())
