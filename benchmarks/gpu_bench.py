@@ -6,9 +6,11 @@ the memory-bandwidth floor. No checkpoint is needed (load_format="dummy", bundle
         [--bandwidth-gbs 4800]
 
 Runs the requests through `LLMEngine.step` and times every step on the host (wall); on CUDA it also
-records CUDA events around the model's forward and LM head, whose elapsed time (read after the run) is
-the GPU's span of the step's model work: wall - span is time the GPU waited on the host (inputs,
-scheduling, sampling, outputs). `decode`: the median step of the single request's decode steps is the
+reads each step's model time, the CUDA events the model runner records around the forward (or the
+replay of its decode graph) and the LM head: the GPU's span of the step's model work, so wall - span is
+time the GPU waited on the host (inputs, scheduling, sampling, outputs). Decode steps replay CUDA graphs
+unless --enforce-eager (tidal/worker/cuda_graphs.py); the result says how many steps did.
+`decode`: the median step of the single request's decode steps is the
 time per output token, compared with weight bytes / bandwidth (H200: 4.8 TB/s). Prints one JSON line
 starting with "RESULT " (and writes it to --output-json).
 """
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the decode floor")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step eager")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -46,36 +49,26 @@ def main() -> None:
 
     from tidal import LLM, SamplingParams
     llm = LLM(model=args.model, load_format="dummy", dtype=args.dtype, device=args.device,
-              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization)
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     runner = engine.runner
     cuda = runner.device.type == "cuda"
-    spans: list = []  # per step: (start event, end event) around the model's forward and LM head
+    spans: list[float] = []  # per step: the runner's model time (seconds; the GPU's span on CUDA)
+    run_step = runner.run
 
-    if cuda:
-        model = runner.model
-        forward, logits = model.forward, model.compute_logits
-
-        def timed_forward(*a, **kw):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            spans.append([start, None])
-            return forward(*a, **kw)
-
-        def timed_logits(*a, **kw):
-            out = logits(*a, **kw)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            if spans:
-                spans[-1][1] = end
-            return out
-        model.forward, model.compute_logits = timed_forward, timed_logits
+    def timed_run(*a, **kw):
+        out = run_step(*a, **kw)
+        spans.append(out.model_time_s)
+        return out
+    runner.run = timed_run
 
     def run(reqs) -> dict:
         for i, r in enumerate(reqs):
             engine.add_request(f"r{time.monotonic_ns()}-{i}", {"prompt_token_ids": r["prompt_token_ids"]},
                                SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
         spans.clear()
+        replays_before = 0 if runner.decode_graphs is None else runner.decode_graphs.replays
         step_s, generated = [], 0
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -88,11 +81,12 @@ def main() -> None:
         res = {"requests": len(reqs), "steps": len(step_s), "wall_s": round(wall, 3),
                "output_tokens": generated, "output_tok_s": round(generated / wall, 1),
                "step_ms_mean": round(1e3 * wall / len(step_s), 3)}
-        if cuda:
-            torch.cuda.synchronize()
-            gpu = [s.elapsed_time(e) for s, e in spans if e is not None]  # ms
-            res["gpu_model_ms_per_step"] = round(sum(gpu) / len(gpu), 3)
-            res["host_ms_per_step"] = round(1e3 * wall / len(step_s) - sum(gpu) / len(gpu), 3)
+        if cuda and spans:
+            gpu = 1e3 * sum(spans) / len(spans)  # ms
+            res["gpu_model_ms_per_step"] = round(gpu, 3)
+            res["host_ms_per_step"] = round(1e3 * wall / len(step_s) - gpu, 3)
+        graphs = runner.decode_graphs
+        res["graph_replays"] = 0 if graphs is None else graphs.replays - replays_before
         return res, step_s
 
     if args.case == "offline":
@@ -120,7 +114,7 @@ def main() -> None:
                    weight_gb=round(engine.weight_bytes / 1e9, 3), bandwidth_floor_ms=round(floor, 3),
                    tpot_over_floor=round(tpot / floor, 3))
     result = {"case": args.case, "model": args.model, "dtype": args.dtype, "device": str(runner.device),
-              "attention": runner.attn_backend.name,
+              "attention": runner.attn_backend.name, "cuda_graphs": runner.decode_graphs is not None,
               "gpu": torch.cuda.get_device_name(0) if cuda else None, **res}
     line = json.dumps(result)
     print("RESULT " + line, flush=True)

@@ -18,8 +18,10 @@
 #   decode_llama3_8b.json/.txt         --case decode on a Llama-3-8B-shaped dummy model (bf16): one request,
 #                                      128 prompt -> 256 output tokens; time per output token against weight
 #                                      bytes / 4.8 TB/s
-#   offline_smollm2_torch_sdpa.json    the offline run again with TIDAL_ATTENTION_BACKEND=torch_sdpa (A/B;
-#                                      SKIP_BASELINE=1 skips it)
+#   offline_smollm2_eager.json         the offline run again with --enforce-eager (no CUDA graphs: A/B)
+#   decode_llama3_8b_eager.json        the decode run again with --enforce-eager
+#   offline_smollm2_torch_sdpa.json    the offline run again with TIDAL_ATTENTION_BACKEND=torch_sdpa (A/B of
+#                                      the attention path; SKIP_BASELINE=1 skips the three A/B runs)
 #   summary.txt   one line per step, also printed last
 #
 # Missing Python packages travel as wheels in gpu_wheels/ (made by benchmarks/gpu_wheels.sh; not
@@ -191,7 +193,11 @@ EOF
     bench offline_smollm2 "$BENCH_TIMEOUT" --case offline --model "$SMALL" $offline_args
     # shellcheck disable=SC2086
     bench decode_llama3_8b "$BENCH_TIMEOUT" --case decode --model "$LARGE" $decode_args
-    if [ "${SKIP_BASELINE:-0}" != 1 ]; then  # the same offline run through torch's attention path, for an A/B
+    if [ "${SKIP_BASELINE:-0}" != 1 ]; then  # A/B: without CUDA graphs; through torch's attention path
+        # shellcheck disable=SC2086
+        bench offline_smollm2_eager "$BENCH_TIMEOUT" --case offline --model "$SMALL" --enforce-eager $offline_args
+        # shellcheck disable=SC2086
+        bench decode_llama3_8b_eager "$BENCH_TIMEOUT" --case decode --model "$LARGE" --enforce-eager $decode_args
         # shellcheck disable=SC2086
         TIDAL_ATTENTION_BACKEND=torch_sdpa bench offline_smollm2_torch_sdpa "$BENCH_TIMEOUT" --case offline \
             --model "$SMALL" $offline_args

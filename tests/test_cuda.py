@@ -290,7 +290,9 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
     """Step metadata is copied without waiting and no layer reads a GPU value back on the host: under
     torch's sync debug mode, preparing a step and its forward (decodes, a prefill continuing a cached
     context and a fresh one) raise no warning. Sampling reads the tokens back, once per step."""
-    llm = tiny_llm(tiny_model_dir("llama"), device="cuda", block_size=4, max_num_batched_tokens=24)
+    # eager: decodes go through the watched model too (the property CUDA graphs rely on; their replays are
+    # watched in test_cuda_graphs_replay_decodes_with_the_eager_tokens)
+    llm = tiny_llm(tiny_model_dir("llama"), device="cuda", block_size=4, max_num_batched_tokens=24, enforce_eager=True)
     runner = llm.llm_engine.runner
     caught: list[str] = []
 
@@ -317,6 +319,56 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
     runner.model = model
     assert not caught, "\n".join(caught[:10])
     _free_gpu()
+
+
+@requires_cuda
+def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_dir):
+    """Decode steps replay the CUDA graphs captured at start-up (sizes 1, 2, 4, 8 for max_num_seqs 8): the
+    same greedy tokens and logprobs as with enforce_eager, while batches shrink as requests finish (replays
+    with fewer requests than the captured size), requests are preempted and prompts hit the prefix cache;
+    a replay reads nothing back from the GPU."""
+    pytest.importorskip("triton")
+    path = tiny_model_dir("llama")
+    prompts = random_prompts(6, 10, 40, 512, seed=5)
+    prompts.append(prompts[0] + [7, 8, 9])
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    bytes_per_token = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+    results = {}
+    for eager in (True, False):
+        llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=128, max_num_seqs=8, enforce_eager=eager,
+                       kv_cache_memory_bytes=30 * 4 * bytes_per_token)
+        engine = llm.llm_engine
+        graphs = engine.runner.decode_graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert graphs.sizes == [1, 2, 4, 8]
+            replay = graphs.run
+            synced: list[str] = []
+
+            def watched(step):
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        return replay(step)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                        synced.extend(str(w.message) for w in seen if "synchroniz" in str(w.message)
+                                      and "prototype feature" not in str(w.message))
+            graphs.run = watched
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hits > 0
+        assert_engine_idle(engine)
+        if graphs is not None:
+            assert graphs.replays > 20 and not synced, synced[:5]
+        del llm, engine, graphs
+        _free_gpu()
+    for (tok_e, lp_e), (tok_g, lp_g) in zip(results[True], results[False]):
+        assert tok_e == tok_g
+        for t, a, b in zip(tok_e, lp_e, lp_g):
+            assert abs(a[t].logprob - b[t].logprob) < GPU_TOLERANCE
 
 
 @requires_cuda

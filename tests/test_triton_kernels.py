@@ -295,3 +295,95 @@ def test_batch_invariant_mode_on_cuda(tiny_model_dir, dtype):
     chunked = LLM(path, device="cuda", dtype=dtype, batch_invariant=True, max_model_len=128,
                   block_size=16, max_num_batched_tokens=37)
     assert run(chunked, list(range(len(prompts)))) == alone
+
+
+# -- CUDA graphs of decode steps, with a stand-in for the graph on a CPU ----------------------------
+
+class ReplayedCall:
+    """torch.cuda.CUDAGraph's part on a CPU: capture runs the forward once and keeps it; replay runs it again
+    under the capture's own forward context and input buffers and writes into the same output tensor. So a
+    step reaches the model only through what DecodeGraphs copies into its buffers, as with a real graph."""
+    captured: list[int] = []
+
+    def __init__(self, pool) -> None:
+        self.forward = self.out = None
+
+    @staticmethod
+    def new_pool():
+        return None
+
+    def capture(self, forward):
+        self.forward, self.out = forward, forward()
+        ReplayedCall.captured.append(self.out.shape[0])
+        return self.out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+def _graph_llm(path, monkeypatch, enforce_eager, **kwargs):
+    from tests.helpers import tiny_llm
+    from tidal.worker import cuda_graphs
+    monkeypatch.setenv("TIDAL_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(cuda_graphs, "device_captures_graphs", lambda device: True)
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "graph_cls", ReplayedCall)
+    ReplayedCall.captured = []
+    return tiny_llm(path, block_size=4, max_num_seqs=8, enforce_eager=enforce_eager, **kwargs)
+
+
+def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
+    from tidal.worker.cuda_graphs import capture_sizes
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256)[-3:] == [240, 248, 256] and capture_sizes(4096)[-1] == 512
+
+
+@pytest.mark.parametrize("case", ["mixed lengths", "preemption and prefix hits"])
+def test_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir, monkeypatch, case):
+    """Decode steps replayed from graphs (batches of 1-6 requests padded to the captured 1 / 2 / 4 / 8; their
+    padding rows write a scratch block) give the same tokens and logprobs as every step run eagerly: requests
+    finishing at different lengths shrink the batch; in the second case a KV cache of 14 blocks preempts
+    requests and prompts share prefixes that the cache hits."""
+    from tests.helpers import assert_engine_idle, random_prompts
+    from tidal import SamplingParams
+    path = tiny_model_dir("llama")
+    prompts = random_prompts(6, 3, 12, 256, seed=11)
+    kwargs = {}
+    if case != "mixed lengths":
+        prompts = [prompts[0] + p for p in prompts[:5]]  # a shared first prompt
+        kv_bytes = _graph_llm(path, monkeypatch, True).llm_engine.runner.kv_bytes_per_token()
+        kwargs = {"kv_cache_memory_bytes": kv_bytes * 4 * 14, "max_model_len": 48}
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    results = {}
+    for eager in (True, False):
+        llm = _graph_llm(path, monkeypatch, eager, **kwargs)
+        graphs = llm.llm_engine.runner.decode_graphs
+        assert (graphs is None) == eager
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert_engine_idle(llm.llm_engine)
+        if not eager:
+            assert sorted(ReplayedCall.captured) == [1, 2, 4, 8]
+            assert graphs.replays > 10
+            if case != "mixed lengths":
+                engine = llm.llm_engine
+                assert engine.kv_plan.num_blocks == 14
+                assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hits > 0
+    for (tok_e, lp_e), (tok_g, lp_g) in zip(results[True], results[False]):
+        assert tok_e == tok_g
+        for t, a, b in zip(tok_e, lp_e, lp_g):
+            assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-5)
+
+
+def test_decode_graphs_are_off_with_enforce_eager_and_where_the_model_syncs(tiny_model_dir, monkeypatch, tmp_path):
+    from tests.test_hybrid import save_tiny_hybrid
+    from tidal.worker import cuda_graphs
+    llm = _graph_llm(tiny_model_dir("llama"), monkeypatch, enforce_eager=True)
+    assert cuda_graphs.unsupported_reason(llm.llm_engine.runner, llm.config) == "enforce_eager is set"
+    save_tiny_hybrid("mixtral", str(tmp_path))
+    llm = _graph_llm(str(tmp_path), monkeypatch, enforce_eager=False)
+    assert llm.llm_engine.runner.decode_graphs is None
+    assert "MixtralForCausalLM" in cuda_graphs.unsupported_reason(llm.llm_engine.runner, llm.config)

@@ -31,8 +31,8 @@ class EngineConfig:
     # max_num_batched_tokens >= max_model_len (the default budget is raised to it)
     enable_chunked_prefill: bool = True
     seed: int = 0  # seeds the sampler's generator for requests without their own seed
-    # always true in effect: no CUDA graph is captured and torch.compile never runs (Triton's kernels are
-    # compiled on first use either way)
+    # True: no CUDA graphs (on CUDA, decode-only steps otherwise replay graphs captured at start-up where
+    # tidal/worker/cuda_graphs.py says they apply); a CPU runs eagerly either way. torch.compile never runs
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

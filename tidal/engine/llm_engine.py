@@ -117,6 +117,8 @@ class LLMEngine:
             plan.num_blocks = max(plan.num_blocks,  # so they must never be what runs out
                                   state_pool.num_slots * -(-self.max_model_len // config.block_size))
         self.runner.allocate_kv_cache(plan.num_blocks)
+        if (capture := getattr(self.runner, "capture_decode_graphs", None)) is not None:  # CUDA graphs (a runner's)
+            capture()
         self.kv_plan = plan
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self.max_num_batched_tokens,

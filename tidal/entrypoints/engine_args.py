@@ -58,7 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     g.add_argument("--seed", type=int, default=0,
                    help="seed of sampling for requests without their own seed (default 0)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never compile the model (Tidal always runs eagerly: no compilation or graph capture)")
+                   help="no CUDA graphs: every step runs eagerly (on CUDA, decode steps otherwise replay graphs "
+                        "captured at start-up; a CPU runs eagerly either way)")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks, one process each (default 1)")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,

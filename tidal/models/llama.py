@@ -132,6 +132,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     supports_pp = True  # builds only its stage's layers (LlamaModel)
+    supports_cuda_graphs = True  # its forward never reads a value back from the GPU (tidal/worker/cuda_graphs.py)
     stacked_params = [  # (fused parameter, checkpoint name, shard)
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),

@@ -57,9 +57,12 @@ def cache_budget_bytes(budget_bytes: int | None) -> int:
     return budget_bytes
 
 
-def cuda_cache_budget_bytes(device, gpu_memory_utilization: float, profile: Callable[[], None]) -> int:
-    """gpu_memory_utilization x the GPU's memory, less the memory in use now and the peak that
-    `profile` (one forward as large as the largest step) allocates on top of it."""
+def cuda_cache_budget_bytes(device, gpu_memory_utilization: float, profile: Callable[[], None],
+                            graph_profile: Callable[[], None] | None = None) -> int:
+    """gpu_memory_utilization x the GPU's memory, less the memory in use now, the peak that `profile` (one
+    forward as large as the largest step) allocates on top of it and, with CUDA graphs, the peak of
+    `graph_profile` (the largest decode graph's forward: its memory pool stays allocated beside the
+    eager steps' memory)."""
     import torch
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -70,20 +73,27 @@ def cuda_cache_budget_bytes(device, gpu_memory_utilization: float, profile: Call
     profile()
     torch.cuda.synchronize(device)
     activations = max(0, torch.cuda.max_memory_allocated(device) - allocated)
+    graphs = 0
+    if graph_profile is not None:
+        torch.cuda.reset_peak_memory_stats(device)
+        graph_profile()
+        torch.cuda.synchronize(device)
+        graphs = max(0, torch.cuda.max_memory_allocated(device) - allocated)
     torch.cuda.empty_cache()
     allowed = int(total * gpu_memory_utilization)
-    budget = allowed - in_use - activations
+    budget = allowed - in_use - activations - graphs
     gib = 2**30
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization {gpu_memory_utilization} allows {allowed / gib:.2f} GiB of the GPU's "
             f"{total / gib:.2f} GiB, but {in_use / gib:.2f} GiB are in use after loading the weights and the largest "
-            f"step needs {activations / gib:.2f} GiB more: no room is left for the KV cache; raise "
-            "gpu_memory_utilization, lower max_num_batched_tokens or set kv_cache_memory_bytes")
+            f"step needs {activations / gib:.2f} GiB more (the CUDA graphs {graphs / gib:.2f} GiB): no room is left "
+            "for the KV cache; raise gpu_memory_utilization, lower max_num_batched_tokens or max_num_seqs, set "
+            "enforce_eager or set kv_cache_memory_bytes")
     logger.info("KV cache budget %.2f GiB on %s: gpu_memory_utilization %.2f x %.2f GiB = %.2f GiB, less %.2f GiB "
-                "in use after loading weights and %.2f GiB activation peak of the profiling forward",
-                budget / gib, device, gpu_memory_utilization, total / gib, allowed / gib, in_use / gib,
-                activations / gib)
+                "in use after loading weights, %.2f GiB activation peak of the profiling forward and %.2f GiB for "
+                "the CUDA graphs' memory pool", budget / gib, device, gpu_memory_utilization, total / gib,
+                allowed / gib, in_use / gib, activations / gib, graphs / gib)
     return budget
 
 

@@ -43,6 +43,8 @@ from tidal.layers.sampler import (
 )
 from tidal.platforms import get_platform
 from tidal.sampling_params import SamplingParams
+from tidal.worker import cuda_graphs
+from tidal.worker.cuda_graphs import DecodeGraphs
 from tidal.worker.input_batch import InputBatch, StepInputs
 from tidal.worker.memory import cache_budget_bytes, cuda_cache_budget_bytes, release_free_heap
 
@@ -135,6 +137,9 @@ class ModelRunner:
         self.num_blocks = 0
         self._lm_head_contexts: dict[tuple[int, bool], ForwardContext] = {}  # _compute_logits' by rows, mode
         self._clock = ModelClock(self.device)  # the model time of the run in progress (reset by each run)
+        # CUDA graphs of decode-only steps (tidal/worker/cuda_graphs.py), where they apply: set by from_config,
+        # captured by capture_decode_graphs once the KV cache is allocated
+        self.decode_graphs: DecodeGraphs | None = None
 
     @classmethod
     def from_config(cls, loaded, config, eos_token_ids: tuple[int, ...]) -> ModelRunner:
@@ -146,6 +151,11 @@ class ModelRunner:
                      max_num_batched_tokens=config.max_num_batched_tokens)
         runner.batch_invariant = config.batch_invariant
         runner.log_kv_scales()
+        why_eager = cuda_graphs.unsupported_reason(runner, config)
+        if why_eager is None:
+            runner.decode_graphs = DecodeGraphs(runner, cuda_graphs.capture_sizes(config.max_num_seqs))
+        elif runner.device.type == "cuda":
+            logger.info("CUDA graphs off (every step runs eagerly): %s", why_eager)
         if loaded.quantization == "w8a8":
             from tidal.layers.quantization.smoothing import smooth_w8a8
             smooth_w8a8(runner, loaded)
@@ -174,10 +184,21 @@ class ModelRunner:
         return sum(2 * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """num_blocks blocks for the scheduler's requests; with decode graphs one more, past them, where the
+        graphs' padding rows write (graphs captured over an earlier cache are dropped)."""
         self.num_blocks = num_blocks
+        graphs = self.decode_graphs
+        if graphs is not None:
+            graphs.drop()
+        total = num_blocks + (graphs is not None)
         for a in self.attn_layers:
-            a.kv_cache = lazy_zeros(kv_cache_shape(num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
+            a.kv_cache = lazy_zeros(kv_cache_shape(total, self.block_size, a.num_kv_heads, a.head_dim),
                                     self.kv_cache_dtype, self.device)
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the decode graphs over the KV cache just allocated (nothing where graphs do not apply)."""
+        if self.decode_graphs is not None and self.num_blocks:
+            self.decode_graphs.capture(pad_block=self.num_blocks)
 
     # -- memory budget of the KV cache and the Mamba state ---------------------------------------
     def cache_budget_bytes(self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,
@@ -187,8 +208,17 @@ class ModelRunner:
         one profiling forward as large as the largest step."""
         if self.device.type != "cuda":
             return cache_budget_bytes(None)
+        graphs = self.decode_graphs
+        graph_profile = None if graphs is None else lambda: self.profile_decode(graphs.max_size)
         return cuda_cache_budget_bytes(self.device, gpu_memory_utilization, lambda: self.profile_run(
-            max_num_batched_tokens, max_num_seqs, max_model_len, compute_logits))
+            max_num_batched_tokens, max_num_seqs, max_model_len, compute_logits), graph_profile)
+
+    @torch.inference_mode()
+    def profile_decode(self, num_seqs: int) -> None:
+        """A forward shaped as a decode step of num_seqs requests (one token each), with a throwaway cache: the
+        activations the largest decode graph keeps in its memory pool."""
+        with self._throwaway_forward([[0]] * num_seqs, "graph-profile"):
+            pass
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_seqs: int, max_model_len: int, compute_logits: bool = True) -> None:
@@ -300,9 +330,14 @@ class ModelRunner:
             return out
         self._clock.reset()
         step = self.input_batch.prepare(scheduled)
-        inputs = self._model_inputs(step)
-        with set_forward_context(self._forward_context(step)), self._clock.timed():
-            hidden = self.model(*inputs)  # [num_tokens, hidden]
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(step):  # a decode-only step: its CUDA graph
+            with self._clock.timed():
+                hidden = graphs.run(step)
+        else:
+            inputs = self._model_inputs(step)
+            with set_forward_context(self._forward_context(step)), self._clock.timed():
+                hidden = self.model(*inputs)  # [num_tokens, hidden]
         if not compute_logits:  # a pipeline stage before the last: the executor times the whole pipeline
             return out
 

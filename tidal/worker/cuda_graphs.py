@@ -1,0 +1,186 @@
+"""CUDA graphs of decode-only steps.
+
+On a GPU a small model's decode step is a few hundred short kernels, and launching them from Python
+takes longer than running them. A step in which every request computes one token (no prompt chunk, no
+drafts) instead replays a CUDA graph: the whole forward, captured once at start-up, launched with one
+call. The LM head and the sampler run after it as before (they read the graph's output rows).
+
+    sizes        a ladder of batch sizes, 1, 2, 4, 8, then every 8 up to max_num_seqs (at most 512); a step
+                 of B requests replays the smallest captured size >= B
+    buffers      the forward's inputs live in persistent device buffers of the largest size (input ids,
+                 positions, KV slots, context lengths, block table); a step copies its rows in, from pinned
+                 host staging buffers, and replays
+    padding      rows B..size-1 compute a token nobody reads: token 0 at position 0, its K/V written to a
+                 scratch block past the ones the scheduler hands out, attending over nothing
+    memory       all graphs share one memory pool, whose size is the largest size's activations; the
+                 engine measures that with a decode-shaped profiling forward and takes it out of the KV
+                 cache budget; capture time and memory are logged
+
+Graphs need the Triton attention backend (its kernel reads every length from device memory, so one
+capture serves any context length), a single GPU (no tensor or pipeline parallelism), no Mamba layers
+and a model whose forward never waits on the host (`supports_cuda_graphs`: the Llama family; Mixtral's
+expert routing reads its token counts back). Elsewhere, and with `enforce_eager=True`, every step runs
+eagerly, as it always does on a CPU.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from tidal.forward_context import ForwardContext, set_forward_context
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, up to max_num_seqs (itself included) and at most MAX_CAPTURE_SIZE."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4, *range(8, top + 1, 8)) if s <= top]
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+def device_captures_graphs(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+class CudaGraph:
+    """One captured forward: torch.cuda.CUDAGraph in a memory pool shared by all sizes."""
+
+    def __init__(self, pool) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    @staticmethod
+    def new_pool():
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, forward) -> torch.Tensor:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            return forward()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def unsupported_reason(runner, config) -> str | None:
+    """Why decode steps of this runner cannot replay graphs (None: they can)."""
+    if config.enforce_eager:
+        return "enforce_eager is set"
+    if not device_captures_graphs(runner.device):
+        return "not on a GPU"
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        return "tensor / pipeline parallelism runs eagerly"
+    if runner.attn_backend.name != "triton":
+        return f"the {runner.attn_backend.name} attention backend reads context lengths on the host"
+    if runner.mamba_layers:
+        return "models with Mamba layers run eagerly"
+    if not getattr(runner.model, "supports_cuda_graphs", False):
+        return f"{type(runner.model).__name__}'s forward reads values back from the GPU"
+    return None
+
+
+class DecodeGraphs:
+    """The captured decode forwards of one ModelRunner (see the module docstring)."""
+
+    graph_cls = CudaGraph  # (tests replace it on a CPU: tests/test_triton_kernels.py)
+
+    def __init__(self, runner, sizes: list[int]) -> None:
+        from tidal.layers.attention.backends import TritonMetadata
+        self.runner, self.sizes = runner, sorted(sizes)
+        self.max_size = S = self.sizes[-1]
+        self._pick = [self.sizes[bisect.bisect_left(self.sizes, b)] for b in range(S + 1)]  # B -> captured size
+        device, batch = runner.device, runner.input_batch
+        self.block_size = batch.block_size
+        pin = device.type == "cuda"
+        # rows: input ids, positions, KV slots, context lengths (one host -> device copy for all four)
+        self._host = torch.zeros(4, S, dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.zeros(4, S, dtype=torch.int64, device=device)
+        self._host_table = torch.zeros(S, batch.max_blocks, dtype=torch.int64, pin_memory=pin)
+        self._table = torch.zeros(S, batch.max_blocks, dtype=torch.int64, device=device)
+        query_start_loc = torch.arange(S + 1, dtype=torch.int64, device=device)  # one token per request
+        input_ids, positions, slots, seq_lens = self._dev
+        self._contexts = {
+            n: ForwardContext(num_tokens=n, num_decodes=n, query_start_loc=list(range(n + 1)), skinny_gemm=True,
+                              batch_invariant=runner.batch_invariant, attn_backend=runner.attn_backend,
+                              attn_metadata=TritonMetadata(slots[:n], self._table[:n], query_start_loc[:n + 1],
+                                                           seq_lens[:n], max_query_len=1))
+            for n in self.sizes}
+        self._inputs = {n: (input_ids[:n], positions[:n]) for n in self.sizes}
+        self._graphs: dict[int, tuple[CudaGraph, torch.Tensor]] = {}
+        self.pad_slot = 0  # set by capture(): the first slot of the scratch block
+        self.replays = 0
+
+    def drop(self) -> None:
+        """Forget the captured graphs (they point into a KV cache being replaced)."""
+        self._graphs.clear()
+
+    def takes(self, step) -> bool:
+        """A decode-only step (one token per request) that a captured size holds."""
+        return step.num_tokens == step.num_decodes == len(step.reqs) <= self.max_size and bool(self._graphs)
+
+    def _forward(self, n: int):
+        model, ctx, inputs = self.runner.model, self._contexts[n], self._inputs[n]
+
+        def forward() -> torch.Tensor:
+            with set_forward_context(ctx):
+                return model(*inputs)
+        return forward
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows [start, end) of the host staging buffer become padding rows."""
+        h = self._host
+        h[0:2, start:end] = 0
+        h[2, start:end] = self.pad_slot
+        h[3, start:end] = 0
+
+    @torch.inference_mode()
+    def capture(self, pad_block: int) -> None:
+        """Capture every size, largest first (the pool grows once); pad_block: a KV block no request uses."""
+        cuda = self.runner.device.type == "cuda"
+        self.pad_slot = pad_block * self.block_size
+        self._pad(0, self.max_size)
+        self._dev.copy_(self._host)
+        if cuda:
+            torch.cuda.synchronize(self.runner.device)
+            free_before = torch.cuda.mem_get_info(self.runner.device)[0]
+        t0 = time.perf_counter()
+        pool = self.graph_cls.new_pool()
+        for n in reversed(self.sizes):
+            forward = self._forward(n)
+            forward()  # warm-up: kernels compiled and the allocator settled outside the capture
+            forward()
+            graph = self.graph_cls(pool)
+            self._graphs[n] = (graph, graph.capture(forward))
+        if cuda:
+            torch.cuda.synchronize(self.runner.device)
+            used = (free_before - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
+            logger.info("CUDA graphs: captured %d decode batch sizes (1 to %d) in %.1f s, %.0f MiB of GPU memory",
+                        len(self.sizes), self.max_size, time.perf_counter() - t0, used)
+
+    def run(self, step) -> torch.Tensor:
+        """The step's hidden states [B, hidden]: its inputs copied into the buffers, the graph replayed.
+        A view of the graph's output, valid until the next replay."""
+        B = step.num_tokens
+        n = self._pick[B]
+        h = self._host
+        h[0, :B].copy_(step.input_ids)
+        h[1, :B].copy_(step.positions)
+        h[2, :B].copy_(step.slot_mapping)
+        h[3, :B].copy_(step.token_seq_lens)
+        if B < n:
+            self._pad(B, n)
+        self._dev[:, :n].copy_(h[:, :n], non_blocking=True)
+        blocks = -(-step.max_seq_len // self.block_size)
+        self._host_table[:B, :blocks] = step.block_table[step.token_rows, :blocks]
+        self._table[:B, :blocks].copy_(self._host_table[:B, :blocks], non_blocking=True)
+        graph, out = self._graphs[n]
+        graph.replay()
+        self.replays += 1
+        return out[:B]
