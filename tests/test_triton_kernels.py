@@ -387,3 +387,19 @@ def test_decode_graphs_are_off_with_enforce_eager_and_where_the_model_syncs(tiny
     llm = _graph_llm(str(tmp_path), monkeypatch, enforce_eager=False)
     assert llm.llm_engine.runner.decode_graphs is None
     assert "MixtralForCausalLM" in cuda_graphs.unsupported_reason(llm.llm_engine.runner, llm.config)
+
+
+def test_a_failed_capture_leaves_every_step_eager_with_a_warning(tiny_model_dir, monkeypatch, caplog):
+    """A forward the capture cannot take (on a GPU: one that reads a value back) turns graphs off with a
+    warning naming the cause; the engine serves as before."""
+    def refuse(self, forward):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(ReplayedCall, "capture", refuse)
+    with caplog.at_level("WARNING", logger="tidal.worker.cuda_graphs"):
+        llm = _graph_llm(tiny_model_dir("llama"), monkeypatch, enforce_eager=False)
+    assert "CUDA graphs off" in caplog.text and "not permitted when stream is capturing" in caplog.text
+    from tidal import SamplingParams
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    assert llm.llm_engine.runner.decode_graphs.replays == 0

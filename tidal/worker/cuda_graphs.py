@@ -152,12 +152,21 @@ class DecodeGraphs:
             free_before = torch.cuda.mem_get_info(self.runner.device)[0]
         t0 = time.perf_counter()
         pool = self.graph_cls.new_pool()
-        for n in reversed(self.sizes):
-            forward = self._forward(n)
-            forward()  # warm-up: kernels compiled and the allocator settled outside the capture
-            forward()
-            graph = self.graph_cls(pool)
-            self._graphs[n] = (graph, graph.capture(forward))
+        try:
+            for n in reversed(self.sizes):
+                forward = self._forward(n)
+                forward()  # warm-up: kernels compiled and the allocator settled outside the capture
+                forward()
+                graph = self.graph_cls(pool)
+                self._graphs[n] = (graph, graph.capture(forward))
+        except RuntimeError as e:  # a layer the capture cannot take (one that waits on the GPU): run eagerly
+            self._graphs.clear()
+            if cuda:
+                torch.cuda.synchronize(self.runner.device)
+                torch.cuda.empty_cache()
+            logger.warning("CUDA graphs off (every step runs eagerly): capturing the decode forward of %d requests "
+                           "failed: %s", n, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return
         if cuda:
             torch.cuda.synchronize(self.runner.device)
             used = (free_before - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
