@@ -372,6 +372,52 @@ def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_
 
 
 @requires_cuda
+def test_sampling_waits_on_the_gpu_only_to_read_its_tokens_back(tiny_model_dir, monkeypatch):
+    """Temperature, top-k, top-p, min-p, penalties, tokens banned until min_tokens, seeded and unseeded rows,
+    logprobs: the sampler's metadata and its draw run on the GPU without a host synchronisation; reading
+    the tokens (and logprobs) back at the end is the step's one wait."""
+    from tidal.layers import sampler as sampler_module
+    llm = tiny_llm(tiny_model_dir("llama"), device="cuda", block_size=4)
+    runner = llm.llm_engine.runner
+    caught: list[str] = []
+    read_back = sampler_module._read_back
+
+    def unwatched(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return read_back(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def watched(fn):
+        def call(*args, **kwargs):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    caught.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in seen
+                                  if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message))
+        return call
+
+    monkeypatch.setattr(sampler_module, "_read_back", unwatched)
+    sampler = runner.sampler
+    runner.sampler = type("Watched", (), {"__call__": staticmethod(watched(sampler))})()
+    runner._sampling_metadata = watched(runner._sampling_metadata)
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                             presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3, logprobs=2,
+                             seed=i if i % 2 else None, max_tokens=8) for i in range(4)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 10, 40, 512, seed=2)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    runner.sampler = sampler
+    assert all(len(o.outputs[0].token_ids) >= 3 for o in outs)
+    assert not caught, "\n".join(caught[:10])
+    _free_gpu()
+
+
+@requires_cuda
 def test_grammar_bitmask_on_cuda_matches_cpu():
     """Structured outputs: the sampler's bitmask (made on the host) masks CUDA logits as CPU ones."""
     from tidal.layers.sampler import Sampler, SamplingMetadata, apply_token_bitmask
