@@ -102,7 +102,8 @@ class DecodeGraphs:
         # rows: input ids, positions, KV slots, context lengths (one host -> device copy for all four)
         self._host = torch.zeros(4, S, dtype=torch.int64, pin_memory=pin)
         self._dev = torch.zeros(4, S, dtype=torch.int64, device=device)
-        self._host_table = torch.zeros(S, batch.max_blocks, dtype=torch.int64, pin_memory=pin)
+        # a step's block-table rows, [B, blocks] contiguous in the first B * blocks elements
+        self._host_table = torch.zeros(S * batch.max_blocks, dtype=torch.int64, pin_memory=pin)
         self._table = torch.zeros(S, batch.max_blocks, dtype=torch.int64, device=device)
         query_start_loc = torch.arange(S + 1, dtype=torch.int64, device=device)  # one token per request
         input_ids, positions, slots, seq_lens = self._dev
@@ -185,10 +186,11 @@ class DecodeGraphs:
         h[3, :B].copy_(step.token_seq_lens)
         if B < n:
             self._pad(B, n)
-        self._dev[:, :n].copy_(h[:, :n], non_blocking=True)
+        self._dev.copy_(h, non_blocking=True)  # all of it (4 x max size): one contiguous copy from pinned memory
         blocks = -(-step.max_seq_len // self.block_size)
-        self._host_table[:B, :blocks] = step.block_table[step.token_rows, :blocks]
-        self._table[:B, :blocks].copy_(self._host_table[:B, :blocks], non_blocking=True)
+        table = self._host_table[:B * blocks].view(B, blocks)
+        table.copy_(step.block_table[step.token_rows, :blocks])
+        self._table[:B, :blocks].copy_(table, non_blocking=True)
         graph, out = self._graphs[n]
         graph.replay()
         self.replays += 1
