@@ -12,6 +12,9 @@ the token sampled at its place, and the tokens returned are the accepted drafts 
 after them: rejection sampling of point-mass drafts, exact for sampled requests too
 (tidal/layers/rejection_sampler.py).
 
+On a GPU, a decode-only step replays a CUDA graph of the forward instead, padded to a captured batch size
+(tidal/worker/cuda_graphs.py); the LM head and the sampler run on its real rows as above.
+
 The runner runs where the model's weights are (CPU or CUDA): the KV cache, the Mamba state and the
 default generator lives there too. Each step's tensors are built on the host and copied once
 (tidal/device.py); what goes back to the engine is plain Python (token ids, logprob lists).
