@@ -285,17 +285,9 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization(tiny_model_dir):
     _free_gpu()
 
 
-@requires_cuda
-def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
-    """Step metadata is copied without waiting and no layer reads a GPU value back on the host: under
-    torch's sync debug mode, preparing a step and its forward (decodes, a prefill continuing a cached
-    context and a fresh one) raise no warning. Sampling reads the tokens back, once per step."""
-    # eager: decodes go through the watched model too (the property CUDA graphs rely on; their replays are
-    # watched in test_cuda_graphs_replay_decodes_with_the_eager_tokens)
-    llm = tiny_llm(tiny_model_dir("llama"), device="cuda", block_size=4, max_num_batched_tokens=24, enforce_eager=True)
-    runner = llm.llm_engine.runner
-    caught: list[str] = []
-
+def _sync_watcher(caught: list[str]):
+    """watched = _sync_watcher(caught); watched(fn) runs fn under torch's sync debug mode and appends to
+    caught a line for each host synchronisation it made."""
     def watched(fn):
         def call(*args, **kwargs):
             with warnings.catch_warnings(record=True) as seen:
@@ -308,7 +300,20 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
                     caught.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in seen
                                   if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message))
         return call
+    return watched
 
+
+@requires_cuda
+def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
+    """Step metadata is copied without waiting and no layer reads a GPU value back on the host: under
+    torch's sync debug mode, preparing a step and its forward (decodes, a prefill continuing a cached
+    context and a fresh one) raise no warning. Sampling reads the tokens back, once per step."""
+    # eager: decodes go through the watched model too (the property CUDA graphs rely on; their replays are
+    # watched in test_cuda_graphs_replay_decodes_with_the_eager_tokens)
+    llm = tiny_llm(tiny_model_dir("llama"), device="cuda", block_size=4, max_num_batched_tokens=24, enforce_eager=True)
+    runner = llm.llm_engine.runner
+    caught: list[str] = []
+    watched = _sync_watcher(caught)
     runner.input_batch.prepare = watched(runner.input_batch.prepare)
     runner._forward_context = watched(runner._forward_context)  # builds the attention metadata
     model = runner.model
@@ -343,20 +348,8 @@ def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_
         assert (graphs is None) == eager
         if graphs is not None:
             assert graphs.sizes == [1, 2, 4, 8]
-            replay = graphs.run
             synced: list[str] = []
-
-            def watched(step):
-                with warnings.catch_warnings(record=True) as seen:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        return replay(step)
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-                        synced.extend(str(w.message) for w in seen if "synchroniz" in str(w.message)
-                                      and "prototype feature" not in str(w.message))
-            graphs.run = watched
+            graphs.run = _sync_watcher(synced)(graphs.run)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hits > 0
@@ -389,19 +382,7 @@ def test_sampling_waits_on_the_gpu_only_to_read_its_tokens_back(tiny_model_dir, 
         finally:
             torch.cuda.set_sync_debug_mode("warn")
 
-    def watched(fn):
-        def call(*args, **kwargs):
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                    caught.extend(f"{w.filename}:{w.lineno}: {w.message}" for w in seen
-                                  if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message))
-        return call
-
+    watched = _sync_watcher(caught)
     monkeypatch.setattr(sampler_module, "_read_back", unwatched)
     sampler = runner.sampler
     runner.sampler = type("Watched", (), {"__call__": staticmethod(watched(sampler))})()
