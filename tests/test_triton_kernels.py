@@ -353,9 +353,10 @@ def test_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir, monkey
     kwargs = {}
     if case != "mixed lengths":
         prompts = [prompts[0] + p for p in prompts[:5]]  # a shared first prompt
-        kv_bytes = _graph_llm(path, monkeypatch, True).llm_engine.runner.kv_bytes_per_token()
+        kv_bytes = 3 * 2 * 2 * 16 * 4  # per token: layers x (K, V) x kv heads x head_dim x fp32
         kwargs = {"kv_cache_memory_bytes": kv_bytes * 4 * 14, "max_model_len": 48}
-    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(temperature=0, max_tokens=3 + i if case == "mixed lengths" else 4 + 2 * i,
+                             ignore_eos=True, logprobs=2)
               for i in range(len(prompts))]
     results = {}
     for eager in (True, False):
@@ -367,7 +368,7 @@ def test_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir, monkey
         assert_engine_idle(llm.llm_engine)
         if not eager:
             assert sorted(ReplayedCall.captured) == [1, 2, 4, 8]
-            assert graphs.replays > 10
+            assert graphs.replays >= 5
             if case != "mixed lengths":
                 engine = llm.llm_engine
                 assert engine.kv_plan.num_blocks == 14
