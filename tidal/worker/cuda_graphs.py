@@ -17,7 +17,8 @@ call. The LM head and the sampler run after it as before (they read the graph's 
                  cache budget; capture time and memory are logged
 
 Graphs need the Triton attention backend (its kernel reads every length from device memory, so one
-capture serves any context length), a single GPU (no tensor or pipeline parallelism), no Mamba layers
+capture serves any context length), a single GPU in the engine's process (no tensor or pipeline
+parallelism, no worker processes), no Mamba layers
 and a model whose forward never waits on the host (`supports_cuda_graphs`: the Llama family; Mixtral's
 expert routing reads its token counts back). Elsewhere, and with `enforce_eager=True`, every step runs
 eagerly, as it always does on a CPU.
@@ -75,8 +76,9 @@ def unsupported_reason(runner, config) -> str | None:
         return "enforce_eager is set"
     if not device_captures_graphs(runner.device):
         return "not on a GPU"
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        return "tensor / pipeline parallelism runs eagerly"
+    from tidal.worker.executor import uses_workers
+    if uses_workers(config):  # (no executor asks its workers to capture)
+        return "a model in worker processes (tensor / pipeline parallelism, the mp / ray executor) runs eagerly"
     if runner.attn_backend.name != "triton":
         return f"the {runner.attn_backend.name} attention backend reads context lengths on the host"
     if runner.mamba_layers:
