@@ -9,7 +9,8 @@ Runs the requests through `LLMEngine.step` and times every step on the host (wal
 reads each step's model time, the CUDA events the model runner records around the forward (or the
 replay of its decode graph) and the LM head: the GPU's span of the step's model work, so wall - span is
 time the GPU waited on the host (inputs, scheduling, sampling, outputs). Decode steps replay CUDA graphs
-unless --enforce-eager (tidal/worker/cuda_graphs.py); the result says how many steps did.
+unless --enforce-eager (tidal/worker/cuda_graphs.py); the result says how many steps did. With
+--async-scheduling each step is launched before the previous one is read (the engine's async_scheduling).
 `decode`: the median step of the single request's decode steps is the
 time per output token, compared with weight bytes / bandwidth (H200: 4.8 TB/s). Prints one JSON line
 starting with "RESULT " (and writes it to --output-json).
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the decode floor")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step eager")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="launch each step while the previous one runs (the engine's async_scheduling)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -50,18 +53,19 @@ def main() -> None:
     from tidal import LLM, SamplingParams
     llm = LLM(model=args.model, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     engine = llm.llm_engine
     runner = engine.runner
     cuda = runner.device.type == "cuda"
     spans: list[float] = []  # per step: the runner's model time (seconds; the GPU's span on CUDA)
-    run_step = runner.run
+    from tidal.worker.model_runner import PendingStep
+    read = PendingStep.result
 
-    def timed_run(*a, **kw):
-        out = run_step(*a, **kw)
+    def timed_result(pending):  # every step's output is read here, launched synchronously or not
+        out = read(pending)
         spans.append(out.model_time_s)
         return out
-    runner.run = timed_run
+    PendingStep.result = timed_result
 
     def run(reqs) -> dict:
         for i, r in enumerate(reqs):
@@ -115,6 +119,7 @@ def main() -> None:
                    tpot_over_floor=round(tpot / floor, 3))
     result = {"case": args.case, "model": args.model, "dtype": args.dtype, "device": str(runner.device),
               "attention": runner.attn_backend.name, "cuda_graphs": runner.decode_graphs is not None,
+              "async_scheduling": args.async_scheduling,
               "gpu": torch.cuda.get_device_name(0) if cuda else None, **res}
     line = json.dumps(result)
     print("RESULT " + line, flush=True)

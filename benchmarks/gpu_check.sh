@@ -18,6 +18,8 @@
 #   decode_llama3_8b.json/.txt         --case decode on a Llama-3-8B-shaped dummy model (bf16): one request,
 #                                      128 prompt -> 256 output tokens; time per output token against weight
 #                                      bytes / 4.8 TB/s
+#   offline_smollm2_async.json         the offline run again with --async-scheduling (A/B)
+#   decode_llama3_8b_async.json        the decode run again with --async-scheduling
 #   offline_smollm2_eager.json         the offline run again with --enforce-eager (no CUDA graphs: A/B)
 #   decode_llama3_8b_eager.json        the decode run again with --enforce-eager
 #   offline_smollm2_torch_sdpa.json    the offline run again with TIDAL_ATTENTION_BACKEND=torch_sdpa (A/B of
@@ -193,6 +195,10 @@ EOF
     bench offline_smollm2 "$BENCH_TIMEOUT" --case offline --model "$SMALL" $offline_args
     # shellcheck disable=SC2086
     bench decode_llama3_8b "$BENCH_TIMEOUT" --case decode --model "$LARGE" $decode_args
+    # shellcheck disable=SC2086
+    bench offline_smollm2_async "$BENCH_TIMEOUT" --case offline --model "$SMALL" --async-scheduling $offline_args
+    # shellcheck disable=SC2086
+    bench decode_llama3_8b_async "$BENCH_TIMEOUT" --case decode --model "$LARGE" --async-scheduling $decode_args
     if [ "${SKIP_BASELINE:-0}" != 1 ]; then  # A/B: without CUDA graphs; through torch's attention path
         # shellcheck disable=SC2086
         bench offline_smollm2_eager "$BENCH_TIMEOUT" --case offline --model "$SMALL" --enforce-eager $offline_args

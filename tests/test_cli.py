@@ -133,6 +133,7 @@ ENGINE_FLAG_VALUES = {
     "--served-model-name": (["--served-model-name", "x"], "served_model_name", "x"),
     "--disable-log-stats": (["--disable-log-stats"], "disable_log_stats", True),
     "--load-format": (["--load-format", "dummy"], "load_format", "dummy"),
+    "--async-scheduling": (["--async-scheduling"], "async_scheduling", True),
 }
 
 

@@ -365,27 +365,16 @@ def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_
 
 
 @requires_cuda
-def test_sampling_waits_on_the_gpu_only_to_read_its_tokens_back(tiny_model_dir, monkeypatch):
+def test_sampling_waits_on_the_gpu_only_to_read_its_tokens_back(tiny_model_dir):
     """Temperature, top-k, top-p, min-p, penalties, tokens banned until min_tokens, seeded and unseeded rows,
-    logprobs: the sampler's metadata and its draw run on the GPU without a host synchronisation; reading
-    the tokens (and logprobs) back at the end is the step's one wait."""
-    from tidal.layers import sampler as sampler_module
+    logprobs: the sampler's metadata, its draw and the queued copies of tokens and logprobs to the host run
+    without a host synchronisation; reading them (PendingStep.result) is the step's one wait."""
     llm = tiny_llm(tiny_model_dir("llama"), device="cuda", block_size=4)
     runner = llm.llm_engine.runner
     caught: list[str] = []
-    read_back = sampler_module._read_back
-
-    def unwatched(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return read_back(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("warn")
-
     watched = _sync_watcher(caught)
-    monkeypatch.setattr(sampler_module, "_read_back", unwatched)
     sampler = runner.sampler
-    runner.sampler = type("Watched", (), {"__call__": staticmethod(watched(sampler))})()
+    runner.sampler = type("Watched", (), {"sample": staticmethod(watched(sampler.sample))})()
     runner._sampling_metadata = watched(runner._sampling_metadata)
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                              presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3, logprobs=2,
@@ -396,6 +385,45 @@ def test_sampling_waits_on_the_gpu_only_to_read_its_tokens_back(tiny_model_dir, 
     assert all(len(o.outputs[0].token_ids) >= 3 for o in outs)
     assert not caught, "\n".join(caught[:10])
     _free_gpu()
+
+
+@requires_cuda
+def test_async_scheduling_launches_without_waiting_and_equals_sync_steps(ieee_fp32, tiny_model_dir):
+    """async_scheduling=True with CUDA graphs: launching a step (its inputs, the previous draw's ids written on
+    the device, the forward or replay, the draw and the queued read-back) never waits on the GPU, and the
+    tokens and logprobs are those of synchronous eager steps, with preemption and prefix hits."""
+    pytest.importorskip("triton")
+    path = tiny_model_dir("llama")
+    prompts = random_prompts(6, 10, 40, 512, seed=5)
+    prompts.append(prompts[0] + [7, 8, 9])
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    bytes_per_token = 3 * 2 * 2 * 16 * 4
+    results = {}
+    for asynchronous in (False, True):
+        llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=128, max_num_seqs=8,
+                       enforce_eager=not asynchronous, async_scheduling=asynchronous,
+                       kv_cache_memory_bytes=30 * 4 * bytes_per_token)
+        engine = llm.llm_engine
+        synced: list[str] = []
+        fed = []
+        if asynchronous:
+            launch = engine.runner.launch
+            engine.runner.launch = _sync_watcher(synced)(
+                lambda scheduled, so=None, *a: fed.append(bool(so.from_last_step)) or launch(scheduled, so, *a))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[asynchronous] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hits > 0
+        assert_engine_idle(engine)
+        if asynchronous:
+            assert sum(fed) > 20 and engine.runner.decode_graphs.replays > 20
+            assert not synced, synced[:5]
+        del llm, engine
+        _free_gpu()
+    for (tok_s, lp_s), (tok_a, lp_a) in zip(results[False], results[True]):
+        assert tok_s == tok_a
+        for t, a, b in zip(tok_s, lp_s, lp_a):
+            assert abs(a[t].logprob - b[t].logprob) < GPU_TOLERANCE
 
 
 @requires_cuda

@@ -345,9 +345,11 @@ def test_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir, monkey
     """Decode steps replayed from graphs (batches of 1-6 requests padded to the captured 1 / 2 / 4 / 8; their
     padding rows write a scratch block) give the same tokens and logprobs as every step run eagerly: requests
     finishing at different lengths shrink the batch; in the second case a KV cache of 14 blocks preempts
-    requests and prompts share prefixes that the cache hits."""
+    requests and prompts share prefixes that the cache hits, and the graphs run under asynchronous scheduling
+    (each replay's ids written on the device from the step before)."""
     from tests.helpers import assert_engine_idle, random_prompts
     from tidal import SamplingParams
+    from tidal.worker import cuda_graphs
     path = tiny_model_dir("llama")
     prompts = random_prompts(6, 3, 12, 256, seed=11)
     kwargs = {}
@@ -359,8 +361,12 @@ def test_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir, monkey
                              ignore_eos=True, logprobs=2)
               for i in range(len(prompts))]
     results = {}
+    filled = []
+    run = cuda_graphs.DecodeGraphs.run
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run",
+                        lambda self, step, fill=None: filled.append(fill is not None) or run(self, step, fill))
     for eager in (True, False):
-        llm = _graph_llm(path, monkeypatch, eager, **kwargs)
+        llm = _graph_llm(path, monkeypatch, eager, async_scheduling=case != "mixed lengths" and not eager, **kwargs)
         graphs = llm.llm_engine.runner.decode_graphs
         assert (graphs is None) == eager
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -373,6 +379,9 @@ def test_decode_graphs_give_the_eager_tokens_and_logprobs(tiny_model_dir, monkey
                 engine = llm.llm_engine
                 assert engine.kv_plan.num_blocks == 14
                 assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.prefix_hits > 0
+                assert sum(filled) >= graphs.replays // 2
+            else:
+                assert not any(filled)
     for (tok_e, lp_e), (tok_g, lp_g) in zip(results[True], results[False]):
         assert tok_e == tok_g
         for t, a, b in zip(tok_e, lp_e, lp_g):

@@ -61,6 +61,10 @@ class EngineConfig:
     # (docs/batch_invariance.md). None (default): on where it is supported (the CPU, fp32 or bf16, plain
     # weights), off elsewhere; True refuses what it does not support.
     batch_invariant: bool | None = None
+    # True: the engine schedules step N + 1 and queues it while step N runs, and reads step N's tokens after
+    # (on CUDA the GPU never waits for the host between steps; on CPU the same outputs at no gain). The model
+    # in the engine's process, without speculative decoding (tidal/engine/llm_engine.py, docs/gpu.md)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -118,6 +122,17 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
                              f"got {self.distributed_executor_backend!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if self.async_scheduling:
+            if self.speculative_config is not None:
+                raise ValueError("async_scheduling=True cannot run with speculative decoding: a step's drafts need "
+                                 "the previous step's tokens on the host; drop one of the two")
+            from tidal.worker.executor import uses_workers
+            if uses_workers(self):
+                raise ValueError("async_scheduling=True needs the model in the engine's process: it is not supported "
+                                 "with tensor_parallel_size or pipeline_parallel_size above 1, nor with "
+                                 f"distributed_executor_backend {self.distributed_executor_backend!r}")
 
     def batch_invariant_unsupported(self) -> str | None:
         """Why batch-invariant mode cannot run with these settings (None: it can). The mode covers the

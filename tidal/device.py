@@ -50,3 +50,28 @@ def lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> 
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses for attention's scattered block reads
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+
+
+class HostCopy:
+    """Device tensors on their way to the host, without waiting: on CUDA, copies into pinned memory queued
+    on the stream behind the work that makes them, and an event to wait on; on CPU, the tensors themselves.
+
+        >>> HostCopy([torch.arange(3)]).wait()[0].tolist()
+        [0, 1, 2]
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._event = None
+        if not tensors or tensors[0].device.type == "cpu":
+            self._host = tensors
+            return
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                      for t in tensors]
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        """The tensors on the host, once their copies are done."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host

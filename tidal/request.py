@@ -41,6 +41,9 @@ class Request:
         # prompt + outputs; the scheduler computes KV for all_token_ids[:num_computed_tokens].
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # steps in flight that sample a token for it (asynchronous scheduling: step N + 1 is scheduled before
+        # step N's tokens are read): the scheduler counts their tokens as known, the engine appends them later
+        self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until then
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

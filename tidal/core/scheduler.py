@@ -10,6 +10,13 @@ for it (the engine makes the budget at least max_model_len, so every prompt fits
 When a running request cannot get a block, the most recently admitted running request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
 No request is ever dropped.
+
+A request's computed tokens advance when a step is scheduled, not when it returns. Under asynchronous
+scheduling (`async_scheduling=True`) the engine schedules step N + 1 while step N runs: a request that
+step N samples for counts that token as pending (`Request.num_pending_tokens`), so step N + 1 computes
+it at the next position, its id taken on the device from step N's draw (`SchedulerOutput.from_last_step`);
+`update` appends it when step N's output is read. A request whose pending token may end its output by
+length (max_tokens, max_model_len) waits for it instead of computing a token past the end.
 """
 from __future__ import annotations
 
@@ -69,6 +76,9 @@ class SchedulerOutput:
     # of allowed-token bitmasks, row j for the sampling request grammar_request_ids[j]
     grammar_bitmask: object = None
     grammar_request_ids: list[str] = field(default_factory=list)
+    # asynchronous scheduling: requests whose one token this step is the one the previous step samples for
+    # them, not yet read back (the workers take it from that step's draw on the device)
+    from_last_step: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -143,7 +153,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_known = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_pending_tokens
+            if pending and self._may_end_by_length(request):
+                i += 1  # its pending token may be its last: see it first
+                continue
+            num_known = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             num_spec = 0
             if request.spec_token_ids and num_known == request.num_tokens - request.num_computed_tokens:
                 num_spec = max(0, min(len(request.spec_token_ids), budget - num_known,
@@ -171,8 +185,8 @@ class Scheduler:
         coming: set[bytes] | None = None  # Mamba state checkpoints that running prompts have yet to reach
         while len(self.waiting) > skip and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[skip]
-            if request.structured is not None and not request.structured.ready:
-                skip += 1
+            if (request.structured is not None and not request.structured.ready) or request.num_pending_tokens:
+                skip += 1  # (a pending token: preempted while a step samples for it, readmitted after it)
                 continue
             if self.state_pool is not None and self.state_pool.num_free_slots == 0:
                 break
@@ -219,9 +233,19 @@ class Scheduler:
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted_ids=preempted,
             finished_ids=self._finished_ids,
+            from_last_step=[r.request_id for r, _ in scheduled if r.num_pending_tokens],
         )
         self._finished_ids = []
+        for (request, n), sr in zip(scheduled, out.scheduled):
+            request.num_computed_tokens += n  # (update takes back rejected drafts)
+            request.num_pending_tokens += sr.sample
         return out
+
+    def _may_end_by_length(self, request: Request) -> bool:
+        """Whether the request's pending tokens may reach its max_tokens or max_model_len."""
+        pending, max_tokens = request.num_pending_tokens, request.sampling_params.max_tokens
+        return (request.num_tokens + pending >= self.max_model_len
+                or (max_tokens is not None and request.num_output_tokens + pending >= max_tokens))
 
     def _checkpoint_coming(self, request: Request) -> bytes | None:
         """The block hash at which a running request will checkpoint its Mamba state when its prompt
@@ -247,7 +271,7 @@ class Scheduler:
             request_id=rid,
             num_tokens=num_new,
             start_pos=start,
-            sample=start + num_new - len(spec) == request.num_tokens,
+            sample=start + num_new - len(spec) == request.num_tokens + request.num_pending_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
             new_token_ids=request.all_token_ids[sent[0]:],
             new_block_ids=self.kv.get_block_ids(rid, sent[1]),
@@ -309,12 +333,26 @@ class Scheduler:
         updated = []
         for sr in output.scheduled:
             request = self.requests.get(sr.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None:
                 continue  # aborted meanwhile
+            request.num_pending_tokens -= sr.sample
             token_ids = sampled.get(sr.request_id)
+            if request.status == RequestStatus.PREEMPTED:
+                # preempted by the step scheduled while this one ran (asynchronous scheduling): its tokens
+                # stand, and it recomputes them with the rest when it is admitted again
+                if token_ids:
+                    kept = append(request, token_ids)
+                    if request.is_finished:
+                        self.waiting.remove(request)
+                        del self.requests[request.request_id]
+                        self._release(request)
+                    updated.append((request, kept))
+                continue
+            if request.status != RequestStatus.RUNNING:
+                continue
             # drafts the runner rejected have KV computed that no token will use: not computed
             rejected = max(0, len(sr.spec_token_ids) - (len(token_ids) - 1)) if token_ids else 0
-            request.num_computed_tokens += sr.num_tokens - rejected
+            request.num_computed_tokens -= rejected
             if not token_ids:
                 continue
             if sr.spec_token_ids:

@@ -344,6 +344,8 @@ def _install_fault(engine: LLMEngine, spec: str | None) -> None:
     if where not in owners or not nth.isdigit() or int(nth) < 1:
         raise ValueError(f"TIDAL_INJECT_FAULT must be execute:N or update:N (N >= 1), got {spec!r}")
     owner, nth, calls = owners[where], int(nth), [0]
+    if where == "execute" and engine.config.async_scheduling:
+        where = "execute_async"  # what the engine calls to run a step
     original = getattr(owner, where)
 
     def failing(*args, **kwargs):

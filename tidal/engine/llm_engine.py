@@ -5,6 +5,16 @@
 
 A request with n > 1 samples runs as n child requests that share the prompt's KV blocks through
 the prefix cache; the output processor gathers them back into one RequestOutput.
+
+With async_scheduling a step() queues one step and then reads the previous one:
+
+    schedule N+1 -> launch N+1 -> read N's tokens -> update (stops) -> outputs of N
+
+so on CUDA the GPU has step N + 1 queued while the host reads, detokenizes and streams step N. The
+scheduler counts step N's tokens as pending (tidal/core/scheduler.py) and step N + 1 takes their ids
+from step N's draw on the device. A step waits for the previous one first when one of its requests needs
+that token on the host before it samples again: penalties (they count it) and grammars (its bitmask
+follows it).
 """
 from __future__ import annotations
 
@@ -135,6 +145,13 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stats_logger = None if config.disable_log_stats else StatsLogger()
         self._next_id = 0
+        # asynchronous scheduling: the step launched last, not yet read (its batch, its PendingStep, whether the
+        # next step must read it first)
+        self._pending: tuple | None = None
+        if config.async_scheduling:
+            logger.info("Asynchronous scheduling: each step is scheduled and queued while the previous one runs%s",
+                        "" if config.device == "cuda" else " (on a CPU the steps still run one after the other: "
+                        "same outputs, no gain)")
         # speculative decoding: an object with propose(request) -> draft token ids for its next tokens
         # (tidal/engine/proposer.py); None runs one token per request per step. The draft policy
         # decides how many of them a step runs (None: all).
@@ -359,6 +376,8 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         draft_time_s = getattr(self.proposer, "model_time_s", 0.0)  # a draft model's forwards are model time too
         draft_forwards_s = speculation.propose_drafts(self) if self.proposer is not None else 0.0
@@ -382,6 +401,59 @@ class LLMEngine:
             self.stats_logger.maybe_log(self)
         return outputs
 
+    def _step_async(self) -> list[RequestOutput]:
+        """One step under asynchronous scheduling (see the module's docstring): launch the next step, then read
+        the one launched before it. Returns that one's outputs."""
+        t0 = time.perf_counter()
+        pending, self._pending, outputs = self._pending, None, []
+        if pending is not None and pending[2]:  # a request of the next step needs its token on the host first
+            outputs, pending = self._finish_async(pending, t0), None
+        batch = self.scheduler.schedule()
+        if not batch.scheduled and pending is None:
+            self._wait_for_a_grammar()
+        launched = None
+        if batch.scheduled:
+            self._add_grammar_bitmask(batch)
+            try:
+                launched = self._launch(batch)
+            except WorkerError:
+                raise
+            except Exception as e:
+                if pending is not None:  # its tokens stand (for the requests this failure does not abort)
+                    outputs += self._finish_async(pending, t0)
+                error = self._fail_step(batch, e)
+                error.outputs = outputs + error.outputs
+                raise error from e
+        if pending is not None:
+            try:
+                outputs += self._finish_async(pending, t0)
+            except WorkerError:
+                raise
+            except Exception as e:  # the next step's inputs came from this one: fail both
+                raise self._fail_step([pending[0]] + ([batch] if launched else []), e) from e
+        if launched is not None and not self.scheduler.has_unfinished_requests():
+            self._finish_async(launched, t0)  # all its requests ended with the step before: nothing to report
+            launched = None
+        self._pending = launched
+        return outputs
+
+    def _launch(self, batch) -> tuple:
+        requests = self.scheduler.requests
+        needs_tokens = any(sr.sample and ((r := requests[sr.request_id]).structured is not None
+                                          or r.sampling_params.has_penalties) for sr in batch.scheduled)
+        return batch, self.runner.execute_async(batch), needs_tokens
+
+    def _finish_async(self, pending: tuple, t0: float) -> list[RequestOutput]:
+        """Read a launched step's tokens and report them (update, stops, outputs, stats)."""
+        batch, launched, _ = pending
+        result = launched.result()
+        appended = self.scheduler.update(batch, result.sampled, self._append_tokens)
+        outputs = self._process_outputs(batch, result, appended)
+        self.stats.record_step_time(time.perf_counter() - t0, result.model_time_s)
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(self)
+        return outputs
+
     def _fail_step(self, batch, cause: Exception) -> StepError:
         """Undo a step whose execute raised: its requests' scheduled tokens were never computed, so they are
         aborted, and the prefix cache is reset so that no block they filled (hashed at allocation, its KV not
@@ -390,8 +462,9 @@ class LLMEngine:
         hold, are untouched."""
         logger.error("the model failed in a step; aborting its requests", exc_info=cause)
         op = self.output_processor
+        batches = batch if isinstance(batch, list) else [batch]
         parents = list(dict.fromkeys(op.child_to_parent.get(sr.request_id, (sr.request_id,))[0]
-                                     for sr in batch.scheduled))
+                                     for b in batches for sr in b.scheduled))
         outputs = self.abort_request(parents)
         self.reset_prefix_cache()
         return StepError(cause, parents, outputs)

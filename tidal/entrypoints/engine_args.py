@@ -60,6 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (on CUDA, decode steps otherwise replay graphs "
                         "captured at start-up; a CPU runs eagerly either way)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and queue each step while the previous one runs, reading its tokens after (on "
+                        "CUDA the GPU does not wait for the host between steps; on a CPU no gain). Not with "
+                        "speculative decoding or tensor/pipeline parallelism")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks, one process each (default 1)")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
@@ -110,5 +114,5 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None) 
         distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, disable_log_stats=args.disable_log_stats,
         speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
-        load_format=args.load_format,
+        load_format=args.load_format, async_scheduling=args.async_scheduling,
     )

@@ -190,14 +190,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [n, vocab] in the model's dtype (widened to fp32 here where anything but an argmax
         reads them)."""
+        tokens, raw_logprobs = self.sample(logits, meta)
+        if isinstance(tokens, list):
+            return SamplerOutput(tokens, [None] * len(meta.num_logprobs))
+        return _read_back(tokens, raw_logprobs, meta.num_logprobs)
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor | list[int],
+                                                                             torch.Tensor | None]:
+        """The drawn tokens [n] on the logits' device (a host list where a CPU kernel took the argmax) and the
+        raw log-probabilities [n, vocab] where a row asked for logprobs (else None), read back by nothing:
+        the caller decides when to wait for them (read_back_tensors, sampler_output)."""
         if (meta.all_greedy and meta.grammar_bitmask is None and meta.repetition_penalty is None
                 and meta.banned_token_ids is None and all(k is None for k in meta.num_logprobs)):
             # plain greedy: the argmax of the logits as they are (exact: widening preserves the order),
             # natively over bf16 on CPU without the fp32 copy
             tokens = cpu_kernels.argmax_rows(logits)
-            if tokens is None:
-                return _read_back(logits.argmax(-1), None, meta.num_logprobs)
-            return SamplerOutput(tokens, [None] * len(meta.num_logprobs))
+            return (logits.argmax(-1) if tokens is None else tokens), None
         logits = logits.float()
         if meta.grammar_bitmask is not None:
             apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
@@ -214,7 +222,7 @@ class Sampler:
             tokens = self._draw(logits, meta)
             if not meta.all_random:
                 tokens = torch.where(meta.temperature == 0, logits.argmax(-1), tokens)
-        return _read_back(tokens, raw_logprobs, meta.num_logprobs)
+        return tokens, raw_logprobs
 
     def target_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """[n, vocab] fp32: the distribution each row draws from, after the grammar, penalties, banned
@@ -266,16 +274,32 @@ class Sampler:
 def _read_back(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
                num_logprobs: list[int | None]) -> SamplerOutput:
     """The step's only host synchronisation: tokens, and logprobs for the rows that asked."""
-    logprobs: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    return sampler_output(read_back_tensors(tokens, raw_logprobs, num_logprobs), num_logprobs)
+
+
+def read_back_tensors(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                      num_logprobs: list[int | None]) -> list[torch.Tensor]:
+    """What the host reads of a draw, still on the device: [tokens] without logprobs, else [tokens, each
+    row's sampled logprob, its rank] and, when a row asked for top logprobs, [their values, their ids]."""
     if raw_logprobs is None:
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return [tokens]
     k_max = max(k for k in num_logprobs if k is not None)
     sampled = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     ranks = (raw_logprobs > sampled.unsqueeze(1)).sum(-1) + 1
-    top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1) if k_max else (None, None)
-    token_list, sampled, ranks = tokens.tolist(), sampled.tolist(), ranks.tolist()
-    top_ids = top_ids.tolist() if k_max else None
-    top_vals = top_vals.tolist() if k_max else None
+    if not k_max:
+        return [tokens, sampled, ranks]
+    top_vals, top_ids = raw_logprobs.topk(k_max, dim=-1)
+    return [tokens, sampled, ranks, top_vals, top_ids]
+
+
+def sampler_output(tensors: list[torch.Tensor], num_logprobs: list[int | None]) -> SamplerOutput:
+    """read_back_tensors' tensors (on the host, or read back here) as Python lists."""
+    logprobs: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    token_list = tensors[0].tolist()
+    if len(tensors) == 1:
+        return SamplerOutput(token_list, logprobs)
+    sampled, ranks = tensors[1].tolist(), tensors[2].tolist()
+    top_vals, top_ids = (tensors[3].tolist(), tensors[4].tolist()) if len(tensors) > 3 else (None, None)
     for i, k in enumerate(num_logprobs):
         if k is not None:
             logprobs[i] = TokenLogprobs(top_ids[i][:k] if k else [], top_vals[i][:k] if k else [],

@@ -106,6 +106,10 @@ class DecodeGraphs:
         self._dev = torch.zeros(4, S, dtype=torch.int64, device=device)
         # a step's block-table rows, [B, blocks] contiguous in the first B * blocks elements
         self._host_table = torch.zeros(S * batch.max_blocks, dtype=torch.int64, pin_memory=pin)
+        # a second pair of staging buffers, taken in turns: under asynchronous scheduling a replay is staged
+        # while the one before may still be queued, its copies out of the other pair not yet done (the step
+        # before that was read back, so its copies are)
+        self._spare = (torch.zeros_like(self._host, pin_memory=pin), torch.zeros_like(self._host_table, pin_memory=pin))
         self._table = torch.zeros(S, batch.max_blocks, dtype=torch.int64, device=device)
         query_start_loc = torch.arange(S + 1, dtype=torch.int64, device=device)  # one token per request
         input_ids, positions, slots, seq_lens = self._dev
@@ -176,11 +180,14 @@ class DecodeGraphs:
             logger.info("CUDA graphs: captured %d decode batch sizes (1 to %d) in %.1f s, %.0f MiB of GPU memory",
                         len(self.sizes), self.max_size, time.perf_counter() - t0, used)
 
-    def run(self, step) -> torch.Tensor:
+    def run(self, step, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The step's hidden states [B, hidden]: its inputs copied into the buffers, the graph replayed.
-        A view of the graph's output, valid until the next replay."""
+        fill (rows, ids): token ids that are on the device only (the previous step's draw, under
+        asynchronous scheduling), written over those rows' ids. A view of the graph's output, valid until
+        the next replay."""
         B = step.num_tokens
         n = self._pick[B]
+        (self._host, self._host_table), self._spare = self._spare, (self._host, self._host_table)
         h = self._host
         h[0, :B].copy_(step.input_ids)
         h[1, :B].copy_(step.positions)
@@ -193,6 +200,8 @@ class DecodeGraphs:
         table = self._host_table[:B * blocks].view(B, blocks)
         table.copy_(step.block_table[step.token_rows, :blocks])
         self._table[:B, :blocks].copy_(table, non_blocking=True)
+        if fill is not None:
+            self._dev[0].index_copy_(0, *fill)
         graph, out = self._graphs[n]
         graph.replay()
         self.replays += 1

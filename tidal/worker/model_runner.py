@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
-from tidal.device import lazy_zeros, to_device
+from tidal.device import HostCopy, lazy_zeros, to_device
 from tidal.forward_context import ForwardContext, set_forward_context
 from tidal.layers.attention import Attention
 from tidal.layers.attention.kv_cache_dtype import FP8, describe_kv_cache_dtype, kv_cache_torch_dtype
@@ -43,6 +43,8 @@ from tidal.layers.sampler import (
     SamplingMetadata,
     TokenLogprobs,
     prompt_logprobs,
+    read_back_tensors,
+    sampler_output,
 )
 from tidal.platforms import get_platform
 from tidal.sampling_params import SamplingParams
@@ -103,12 +105,51 @@ class ModelClock:
         else:
             self.seconds += time.perf_counter() - self._t0
 
+    def detach(self) -> ModelClock:
+        """A clock holding this one's time so far (its events still to read), this one reset: a step's time,
+        read when its output is, after the next step has started."""
+        held = ModelClock.__new__(ModelClock)
+        held.cuda, held.seconds, held._events, held._t0, held._start = self.cuda, self.seconds, self._events, 0.0, None
+        self.seconds, self._events = 0.0, []
+        return held
+
     def total(self) -> float:
         for start, end in self._events:
             end.synchronize()
             self.seconds += start.elapsed_time(end) / 1000
         self._events.clear()
         return self.seconds
+
+
+@dataclass
+class PendingStep:
+    """A step whose forward and draw are queued (on CUDA: launched, not waited for); result() reads back
+    its tokens and logprobs, waiting for them only then."""
+    sample_reqs: list[ScheduledRequest] = field(default_factory=list)
+    drawn: list[int] | HostCopy | None = None  # the rows' tokens: a host list, or read_back_tensors on their way
+    num_logprobs: list[int | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[PromptTokenLogprobs]] = field(default_factory=dict)
+    clock: ModelClock | None = None
+
+    def result(self) -> RunnerOutput:
+        out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
+        if self.sample_reqs:
+            if isinstance(self.drawn, list):
+                drawn = SamplerOutput(self.drawn, [None] * len(self.drawn))
+            else:
+                drawn = sampler_output(self.drawn.wait(), self.num_logprobs)
+            j = 0
+            for r in self.sample_reqs:
+                k = len(r.spec_token_ids)
+                tokens, lps = drawn.token_ids[j:j + k + 1], drawn.logprobs[j:j + k + 1]
+                j += k + 1
+                # exact rejection sampling of point-mass drafts (see tidal/layers/rejection_sampler.py)
+                kept = out.sampled[r.request_id] = accept_point_mass(tokens, r.spec_token_ids)
+                if lps[0] is not None:
+                    out.logprobs[r.request_id] = lps[:len(kept)]
+        if self.clock is not None:
+            out.model_time_s = self.clock.total()
+        return out
 
 
 class ModelRunner:
@@ -140,6 +181,9 @@ class ModelRunner:
         self.num_blocks = 0
         self._lm_head_contexts: dict[tuple[int, bool], ForwardContext] = {}  # _compute_logits' by rows, mode
         self._clock = ModelClock(self.device)  # the model time of the run in progress (reset by each run)
+        # the last launched step's draw (tokens: a host list or a device tensor) and its sampling requests, in
+        # row order: where the next step's ids come from under asynchronous scheduling
+        self._last_draw: tuple[list[int] | torch.Tensor, list[ScheduledRequest]] = ([], [])
         # CUDA graphs of decode-only steps (tidal/worker/cuda_graphs.py), where they apply: set by from_config,
         # captured by capture_decode_graphs once the KV cache is allocated
         self.decode_graphs: DecodeGraphs | None = None
@@ -319,30 +363,49 @@ class ModelRunner:
             return self._execute(so)
 
     def _execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return self._launch_step(so).result()
+
+    def execute_async(self, so: SchedulerOutput) -> PendingStep:
+        """execute(), returning as soon as the step is queued: on CUDA the host is free while the GPU runs it,
+        and the step's tokens stay on the device for the next step (SchedulerOutput.from_last_step) until
+        result() reads them (asynchronous scheduling). On CPU the step has run when this returns."""
+        if torch.is_inference_mode_enabled():
+            return self._launch_step(so)
+        with torch._C._InferenceMode(True):
+            return self._launch_step(so)
+
+    def _launch_step(self, so: SchedulerOutput) -> PendingStep:
         self.update_states(so)
         self.restore_states(so.scheduled)
-        return self.run(so.scheduled, so)
+        return self.launch(so.scheduled, so)
 
     def run(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None = None,
             compute_logits: bool = True) -> RunnerOutput:
         """Forward and sample `scheduled` (all or part of a step whose deltas update_states applied), under
         torch.inference_mode (the caller's). compute_logits False: only the forward (a pipeline stage before
         the last)."""
-        out = RunnerOutput()
+        return self.launch(scheduled, so, compute_logits).result()
+
+    def launch(self, scheduled: list[ScheduledRequest], so: SchedulerOutput | None = None,
+               compute_logits: bool = True) -> PendingStep:
+        """run() up to the read-back: the forward and the draw queued, their tokens left on the device."""
         if not scheduled:
-            return out
+            return PendingStep()
         self._clock.reset()
         step = self.input_batch.prepare(scheduled)
+        fill = self._ids_from_last_step(step, so.from_last_step) if so is not None and so.from_last_step else None
         graphs = self.decode_graphs
         if graphs is not None and graphs.takes(step):  # a decode-only step: its CUDA graph
             with self._clock.timed():
-                hidden = graphs.run(step)
+                hidden = graphs.run(step, fill)
         else:
-            inputs = self._model_inputs(step)
+            input_ids, positions = self._model_inputs(step)
+            if fill is not None:
+                input_ids.index_copy_(0, *fill)  # (on CPU the step's staging buffer, rewritten every step)
             with set_forward_context(self._forward_context(step)), self._clock.timed():
-                hidden = self.model(*inputs)  # [num_tokens, hidden]
+                hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         if not compute_logits:  # a pipeline stage before the last: the executor times the whole pipeline
-            return out
+            return PendingStep()
 
         # rows whose logits we need: each sampling request's last known token and its drafts
         reqs, starts = step.reqs, step.query_start_loc
@@ -355,30 +418,46 @@ class ModelRunner:
                 k = len(r.spec_token_ids)
                 first = int(starts[i + 1]) - 1 - k
                 rows.extend(range(first, first + k + 1))
+        out = PendingStep(sample_reqs=[r for _, r in sample_reqs])
+        drawn = []
         if rows:
             # every token samples (decodes): no gather
             picked = hidden if len(rows) == step.num_tokens else hidden[self._on_device(list(rows))]
-            sample_only = [r for _, r in sample_reqs]
-            greedy = self._plain_greedy(so, sample_only)
+            greedy = self._plain_greedy(so, out.sample_reqs)
             if greedy and (tokens := self._greedy_tokens(picked)) is not None:
-                result = SamplerOutput(tokens, [None] * len(tokens))
+                drawn, out.drawn = tokens, tokens
             else:
                 logits = self._compute_logits(picked)
-                result = self.sampler(logits, self._sampling_metadata(so, sample_only, logits.shape[-1], greedy))
-            j = 0
-            for _, r in sample_reqs:
-                k = len(r.spec_token_ids)
-                tokens, lps = result.token_ids[j:j + k + 1], result.logprobs[j:j + k + 1]
-                j += k + 1
-                # exact rejection sampling of point-mass drafts (see tidal/layers/rejection_sampler.py)
-                kept = out.sampled[r.request_id] = accept_point_mass(tokens, r.spec_token_ids)
-                if lps[0] is not None:
-                    out.logprobs[r.request_id] = lps[:len(kept)]
+                meta = self._sampling_metadata(so, out.sample_reqs, logits.shape[-1], greedy)
+                drawn, raw_logprobs = self.sampler.sample(logits, meta)
+                out.num_logprobs = meta.num_logprobs
+                out.drawn = drawn if isinstance(drawn, list) else HostCopy(
+                    read_back_tensors(drawn, raw_logprobs, meta.num_logprobs))
+        self._last_draw = (drawn, out.sample_reqs)
         for i, r in enumerate(reqs):
             if self._wants_prompt_logprobs(r):
                 out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, int(starts[i]))
-        out.model_time_s = self._clock.total()
+        out.clock = self._clock.detach()
         return out
+
+    def _ids_from_last_step(self, step: StepInputs, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the step, token ids) for the requests whose input is the token the last launched step drew
+        for them, not yet read back: taken from that draw where it is (on the device)."""
+        drawn, last_reqs = self._last_draw
+        if any(r.spec_token_ids for r in last_reqs):
+            raise RuntimeError("a step with draft tokens cannot feed the next step's inputs before its tokens "
+                               "are read back")
+        where = {r.request_id: j for j, r in enumerate(last_reqs)}
+        index = {r.request_id: i for i, r in enumerate(step.reqs)}
+        try:
+            src = [where[rid] for rid in request_ids]
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]}'s input is to come from the last step, which did not "
+                               "sample for it") from None
+        dst = self._on_device([int(step.query_start_loc[index[rid]]) for rid in request_ids])
+        if isinstance(drawn, list):
+            return dst, self._on_device([drawn[j] for j in src])
+        return dst, drawn.index_select(0, self._on_device(src))
 
     def _model_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return to_device(step.input_ids, self.device), to_device(step.positions, self.device)
