@@ -10,6 +10,7 @@ dequantized load in fp32 and holds about the file's bytes of weights.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -281,6 +282,33 @@ def test_tiny_gguf_quantized_equals_dequantized_load(cache_dir, fmt, mixed, unti
     ref_tokens, ref_logprobs = _run(LLM(path, quantization="none", **kw))
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_reopened_file_reads_its_tensors_from_the_index_without_parsing_the_header(cache_dir, monkeypatch):
+    """open_gguf parses the header once and keeps a tensor index: the next open maps the same bytes, types
+    and shapes without the gguf package's reader; an index that does not fit the file is not trusted."""
+    import gguf
+
+    from tidal.loader import gguf_loader
+    path = write_tiny_gguf(str(cache_dir / "tiny-mixed.gguf"), "Q4_1", mixed=True)
+    first, reader = gguf_loader.open_gguf(path), gguf.GGUFReader
+    assert isinstance(first, reader)
+    monkeypatch.setattr(gguf, "GGUFReader", None)  # a second parse would fail
+    again = gguf_loader.open_gguf(path)
+    assert isinstance(again, gguf_loader.IndexedGGUF)
+    assert [t.name for t in again.tensors] == [t.name for t in first.tensors]
+    assert {t.tensor_type.name for t in again.tensors} == {"Q4_1", "Q8_0", "F16", "BF16", "F32"}
+    for a, b in zip(first.tensors, again.tensors):
+        assert (a.tensor_type, list(a.shape), a.data.dtype, a.data.shape) == \
+            (b.tensor_type, list(b.shape), b.data.dtype, b.data.shape), a.name
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    index = gguf_loader._cache_folder(path, "gguf-meta") + ".tensors.json"
+    entries = json.load(open(index))
+    entries[-1]["offset"] = os.path.getsize(path)  # past the end: parsed again (and the index rewritten)
+    json.dump(entries, open(index, "w"))
+    assert isinstance(gguf_loader.open_gguf(path), reader)
+    assert isinstance(gguf_loader.open_gguf(path), gguf_loader.IndexedGGUF)
 
 
 @pytest.mark.skipif("avx512_bf16" not in runnable_isas(), reason="the bf16 tile kernel needs AVX-512 BF16")

@@ -48,7 +48,9 @@ def lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> 
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes)
     if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses for attention's scattered block reads
+        # huge pages where the kernel gives them to shared anonymous memory (shmem_enabled "advise"; a
+        # private mapping, which always gets them, measured slower: docs/cpu.md, "Start-up")
+        buf.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 

@@ -16,6 +16,7 @@ rotary embedding applies, and is not a weight.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -293,9 +294,51 @@ _PLAIN = ("F32", "F16", "BF16")
 
 
 def open_gguf(path: str):
-    """The file's reader (parsing the header of a file with a large vocabulary takes seconds: open once)."""
+    """The file's tensors: a reader with `.tensors` (name, tensor_type, shape, data as numpy views of the
+    memory-mapped file). The first open parses the header with the `gguf` package (seconds for a large
+    vocabulary) and keeps an index of the tensors beside the cached metadata; later opens read the index
+    and map the file, without parsing the header."""
+    index_path = _cache_folder(path, "gguf-meta") + ".tensors.json"
+    try:
+        with open(index_path) as f:
+            return IndexedGGUF(path, json.load(f))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     from gguf import GGUFReader
-    return GGUFReader(path)
+    reader = GGUFReader(path)
+    entries = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(n) for n in t.shape],
+                "offset": int(t.data_offset), "dtype": t.data.dtype.str, "data_shape": list(t.data.shape)}
+               for t in reader.tensors]
+    try:
+        os.makedirs(os.path.dirname(index_path), exist_ok=True)
+        tmp = f"{index_path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(entries, f)
+        os.replace(tmp, index_path)
+    except OSError:  # a read-only cache: parse the header again next time
+        pass
+    return reader
+
+
+class IndexedGGUF:
+    """A GGUF file's tensors from open_gguf's index: each a view of one read-only mapping of the file, as
+    the `gguf` package's reader gives them (quantized: uint8 [rows, row bytes]; plain: their dtype, shape in
+    row-major order)."""
+
+    def __init__(self, path: str, entries: list[dict]) -> None:
+        from types import SimpleNamespace
+
+        from gguf import GGMLQuantizationType
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        self.tensors = []
+        for e in entries:
+            dtype, shape = np.dtype(e["dtype"]), tuple(e["data_shape"])
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            if e["offset"] + nbytes > raw.shape[0]:
+                raise ValueError(f"GGUF index of {path} does not fit the file")
+            data = raw[e["offset"]:e["offset"] + nbytes].view(dtype).reshape(shape)
+            self.tensors.append(SimpleNamespace(name=e["name"], tensor_type=GGMLQuantizationType(e["type"]),
+                                                shape=np.array(e["shape"], dtype=np.uint64), data=data))
 
 
 def packed_embedding_formats(reader) -> dict[str, int]:
