@@ -91,6 +91,9 @@ def test_outputs_equal_synchronous_steps(tiny_model_dir, prompts, reference, mon
                     async_scheduling=True, **kwargs)
     assert got == reference
     assert watch.fed_steps >= watch.launched * 3 // 4, (watch.fed_steps, watch.launched)
+    stats = llm.llm_engine.stats  # each step timed once, the host's part (step - model) not negative
+    assert stats.num_timed_steps == stats.num_steps == watch.launched
+    assert stats.step_time_s >= stats.model_time_s > 0
     assert any(t == 2 for o in reference for c in o[:-1] for t in c[0])  # an EOS stop happened
     if cache == "tight":
         assert llm.llm_engine.scheduler.num_preemptions > 0

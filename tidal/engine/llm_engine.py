@@ -148,6 +148,7 @@ class LLMEngine:
         # asynchronous scheduling: the step launched last, not yet read (its batch, its PendingStep, whether the
         # next step must read it first)
         self._pending: tuple | None = None
+        self._last_read = 0.0  # when the last launched step's output was read (perf_counter)
         if config.async_scheduling:
             logger.info("Asynchronous scheduling: each step is scheduled and queued while the previous one runs%s",
                         "" if config.device == "cuda" else " (on a CPU the steps still run one after the other: "
@@ -404,10 +405,9 @@ class LLMEngine:
     def _step_async(self) -> list[RequestOutput]:
         """One step under asynchronous scheduling (see the module's docstring): launch the next step, then read
         the one launched before it. Returns that one's outputs."""
-        t0 = time.perf_counter()
         pending, self._pending, outputs = self._pending, None, []
         if pending is not None and pending[2]:  # a request of the next step needs its token on the host first
-            outputs, pending = self._finish_async(pending, t0), None
+            outputs, pending = self._finish_async(pending), None
         batch = self.scheduler.schedule()
         if not batch.scheduled and pending is None:
             self._wait_for_a_grammar()
@@ -420,19 +420,19 @@ class LLMEngine:
                 raise
             except Exception as e:
                 if pending is not None:  # its tokens stand (for the requests this failure does not abort)
-                    outputs += self._finish_async(pending, t0)
+                    outputs += self._finish_async(pending)
                 error = self._fail_step(batch, e)
                 error.outputs = outputs + error.outputs
                 raise error from e
         if pending is not None:
             try:
-                outputs += self._finish_async(pending, t0)
+                outputs += self._finish_async(pending)
             except WorkerError:
                 raise
             except Exception as e:  # the next step's inputs came from this one: fail both
                 raise self._fail_step([pending[0]] + ([batch] if launched else []), e) from e
         if launched is not None and not self.scheduler.has_unfinished_requests():
-            self._finish_async(launched, t0)  # all its requests ended with the step before: nothing to report
+            self._finish_async(launched)  # all its requests ended with the step before: nothing to report
             launched = None
         self._pending = launched
         return outputs
@@ -441,15 +441,20 @@ class LLMEngine:
         requests = self.scheduler.requests
         needs_tokens = any(sr.sample and ((r := requests[sr.request_id]).structured is not None
                                           or r.sampling_params.has_penalties) for sr in batch.scheduled)
-        return batch, self.runner.execute_async(batch), needs_tokens
+        launched_at = time.perf_counter()
+        return batch, self.runner.execute_async(batch), needs_tokens, launched_at
 
-    def _finish_async(self, pending: tuple, t0: float) -> list[RequestOutput]:
-        """Read a launched step's tokens and report them (update, stops, outputs, stats)."""
-        batch, launched, _ = pending
+    def _finish_async(self, pending: tuple) -> list[RequestOutput]:
+        """Read a launched step's tokens and report them (update, stops, outputs, stats). Its time is from
+        the read before it (or its launch, if later) to the end of this one: the steps' times then add up
+        to the time the engine was busy, overlapped or not, as the stats' host time (step - model) needs."""
+        batch, launched, _, launched_at = pending
         result = launched.result()
         appended = self.scheduler.update(batch, result.sampled, self._append_tokens)
         outputs = self._process_outputs(batch, result, appended)
-        self.stats.record_step_time(time.perf_counter() - t0, result.model_time_s)
+        now = time.perf_counter()
+        self.stats.record_step_time(now - max(launched_at, self._last_read), result.model_time_s)
+        self._last_read = now
         if self.stats_logger is not None:
             self.stats_logger.maybe_log(self)
         return outputs
