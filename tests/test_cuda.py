@@ -326,6 +326,25 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
     _free_gpu()
 
 
+def _graph_workload(tiny_model_dir):
+    """(model folder, prompts, params, KV bytes) of the graph tests: 7 greedy requests of different lengths,
+    one extending another's prompt (a prefix hit), in a cache of 30 blocks of 4 (preemptions)."""
+    prompts = random_prompts(6, 10, 40, 512, seed=5)
+    prompts.append(prompts[0] + [7, 8, 9])
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    bytes_per_token = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+    return tiny_model_dir("llama"), prompts, params, 30 * 4 * bytes_per_token
+
+
+def _assert_same_tokens(expected, got) -> None:
+    """[(tokens, logprobs)] per request: the same tokens, their logprobs within GPU_TOLERANCE."""
+    for (tok_e, lp_e), (tok_g, lp_g) in zip(expected, got):
+        assert tok_e == tok_g
+        for t, a, b in zip(tok_e, lp_e, lp_g):
+            assert abs(a[t].logprob - b[t].logprob) < GPU_TOLERANCE
+
+
 @requires_cuda
 def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_dir):
     """Decode steps replay the CUDA graphs captured at start-up (sizes 1, 2, 4, 8 for max_num_seqs 8): the
@@ -333,16 +352,11 @@ def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_
     with fewer requests than the captured size), requests are preempted and prompts hit the prefix cache;
     a replay reads nothing back from the GPU."""
     pytest.importorskip("triton")
-    path = tiny_model_dir("llama")
-    prompts = random_prompts(6, 10, 40, 512, seed=5)
-    prompts.append(prompts[0] + [7, 8, 9])
-    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=2)
-              for i in range(len(prompts))]
-    bytes_per_token = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+    path, prompts, params, kv_bytes = _graph_workload(tiny_model_dir)
     results = {}
     for eager in (True, False):
         llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=128, max_num_seqs=8, enforce_eager=eager,
-                       kv_cache_memory_bytes=30 * 4 * bytes_per_token)
+                       kv_cache_memory_bytes=kv_bytes)
         engine = llm.llm_engine
         graphs = engine.runner.decode_graphs
         assert (graphs is None) == eager
@@ -358,10 +372,7 @@ def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_
             assert graphs.replays > 20 and not synced, synced[:5]
         del llm, engine, graphs
         _free_gpu()
-    for (tok_e, lp_e), (tok_g, lp_g) in zip(results[True], results[False]):
-        assert tok_e == tok_g
-        for t, a, b in zip(tok_e, lp_e, lp_g):
-            assert abs(a[t].logprob - b[t].logprob) < GPU_TOLERANCE
+    _assert_same_tokens(results[True], results[False])
 
 
 @requires_cuda
@@ -393,17 +404,12 @@ def test_async_scheduling_launches_without_waiting_and_equals_sync_steps(ieee_fp
     the device, the forward or replay, the draw and the queued read-back) never waits on the GPU, and the
     tokens and logprobs are those of synchronous eager steps, with preemption and prefix hits."""
     pytest.importorskip("triton")
-    path = tiny_model_dir("llama")
-    prompts = random_prompts(6, 10, 40, 512, seed=5)
-    prompts.append(prompts[0] + [7, 8, 9])
-    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=2)
-              for i in range(len(prompts))]
-    bytes_per_token = 3 * 2 * 2 * 16 * 4
+    path, prompts, params, kv_bytes = _graph_workload(tiny_model_dir)
     results = {}
     for asynchronous in (False, True):
         llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=128, max_num_seqs=8,
                        enforce_eager=not asynchronous, async_scheduling=asynchronous,
-                       kv_cache_memory_bytes=30 * 4 * bytes_per_token)
+                       kv_cache_memory_bytes=kv_bytes)
         engine = llm.llm_engine
         synced: list[str] = []
         fed = []
@@ -420,10 +426,7 @@ def test_async_scheduling_launches_without_waiting_and_equals_sync_steps(ieee_fp
             assert not synced, synced[:5]
         del llm, engine
         _free_gpu()
-    for (tok_s, lp_s), (tok_a, lp_a) in zip(results[False], results[True]):
-        assert tok_s == tok_a
-        for t, a, b in zip(tok_s, lp_s, lp_a):
-            assert abs(a[t].logprob - b[t].logprob) < GPU_TOLERANCE
+    _assert_same_tokens(results[False], results[True])
 
 
 @requires_cuda
