@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from tidal.config import EngineConfig
 from tidal.core.kv_cache_manager import KVCacheManager
-from tidal.core.scheduler import Scheduler
+from tidal.core.scheduler import Scheduler, SchedulerOutput
 from tidal.core.state_checkpoints import StateCheckpoints
 from tidal.core.state_pool import StatePool
 from tidal.engine.output_processor import OutputProcessor
@@ -41,11 +42,19 @@ from tidal.spec_decode.policy import DraftPolicy
 from tidal.structured_outputs.manager import StructuredOutputManager
 from tidal.worker.executor import UniProcExecutor, WorkerError, create_executor, load_model_meta, uses_workers
 from tidal.worker.memory import plan_kv_cache, plan_state_slots
-from tidal.worker.model_runner import ModelRunner
+from tidal.worker.model_runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+
+
+class _Launched(NamedTuple):
+    """A step launched under asynchronous scheduling, not yet read."""
+    batch: SchedulerOutput
+    step: PendingStep
+    needs_tokens: bool  # a request it samples for needs that token on the host before its next step
+    launched_at: float  # perf_counter
 
 
 class StepError(RuntimeError):
@@ -145,9 +154,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stats_logger = None if config.disable_log_stats else StatsLogger()
         self._next_id = 0
-        # asynchronous scheduling: the step launched last, not yet read (its batch, its PendingStep, whether the
-        # next step must read it first)
-        self._pending: tuple | None = None
+        self._pending: _Launched | None = None  # asynchronous scheduling: the step launched last, not yet read
         self._last_read = 0.0  # when the last launched step's output was read (perf_counter)
         if config.async_scheduling:
             logger.info("Asynchronous scheduling: each step is scheduled and queued while the previous one runs%s",
@@ -406,7 +413,7 @@ class LLMEngine:
         """One step under asynchronous scheduling (see the module's docstring): launch the next step, then read
         the one launched before it. Returns that one's outputs."""
         pending, self._pending, outputs = self._pending, None, []
-        if pending is not None and pending[2]:  # a request of the next step needs its token on the host first
+        if pending is not None and pending.needs_tokens:  # the next step needs its tokens on the host first
             outputs, pending = self._finish_async(pending), None
         batch = self.scheduler.schedule()
         if not batch.scheduled and pending is None:
@@ -430,30 +437,29 @@ class LLMEngine:
             except WorkerError:
                 raise
             except Exception as e:  # the next step's inputs came from this one: fail both
-                raise self._fail_step([pending[0]] + ([batch] if launched else []), e) from e
+                raise self._fail_step([pending.batch] + ([batch] if launched else []), e) from e
         if launched is not None and not self.scheduler.has_unfinished_requests():
             self._finish_async(launched)  # all its requests ended with the step before: nothing to report
             launched = None
         self._pending = launched
         return outputs
 
-    def _launch(self, batch) -> tuple:
+    def _launch(self, batch: SchedulerOutput) -> _Launched:
         requests = self.scheduler.requests
         needs_tokens = any(sr.sample and ((r := requests[sr.request_id]).structured is not None
                                           or r.sampling_params.has_penalties) for sr in batch.scheduled)
         launched_at = time.perf_counter()
-        return batch, self.runner.execute_async(batch), needs_tokens, launched_at
+        return _Launched(batch, self.runner.execute_async(batch), needs_tokens, launched_at)
 
-    def _finish_async(self, pending: tuple) -> list[RequestOutput]:
+    def _finish_async(self, pending: _Launched) -> list[RequestOutput]:
         """Read a launched step's tokens and report them (update, stops, outputs, stats). Its time is from
         the read before it (or its launch, if later) to the end of this one: the steps' times then add up
         to the time the engine was busy, overlapped or not, as the stats' host time (step - model) needs."""
-        batch, launched, _, launched_at = pending
-        result = launched.result()
-        appended = self.scheduler.update(batch, result.sampled, self._append_tokens)
-        outputs = self._process_outputs(batch, result, appended)
+        result = pending.step.result()
+        appended = self.scheduler.update(pending.batch, result.sampled, self._append_tokens)
+        outputs = self._process_outputs(pending.batch, result, appended)
         now = time.perf_counter()
-        self.stats.record_step_time(now - max(launched_at, self._last_read), result.model_time_s)
+        self.stats.record_step_time(now - max(pending.launched_at, self._last_read), result.model_time_s)
         self._last_read = now
         if self.stats_logger is not None:
             self.stats_logger.maybe_log(self)

@@ -354,24 +354,18 @@ class ModelRunner:
         self.input_batch.update(so)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        """One step under torch.inference_mode: the caller's where its loop holds it for all its steps (as
-        LLM.generate and the engine thread do: entering the guard is no longer a per-step cost), else
-        torch's own guard around this step."""
-        if torch.is_inference_mode_enabled():
-            return self._execute(so)
-        with torch._C._InferenceMode(True):  # torch.inference_mode's own guard, without its Python wrapper
-            return self._execute(so)
-
-    def _execute(self, so: SchedulerOutput) -> RunnerOutput:
-        return self._launch_step(so).result()
+        """One step: execute_async, then its result."""
+        return self.execute_async(so).result()
 
     def execute_async(self, so: SchedulerOutput) -> PendingStep:
-        """execute(), returning as soon as the step is queued: on CUDA the host is free while the GPU runs it,
-        and the step's tokens stay on the device for the next step (SchedulerOutput.from_last_step) until
-        result() reads them (asynchronous scheduling). On CPU the step has run when this returns."""
+        """A step up to the read-back of its tokens: on CUDA the host is free while the GPU runs it, and the
+        step's tokens stay on the device for the next step (SchedulerOutput.from_last_step) until result()
+        reads them (asynchronous scheduling); on CPU the step has run when this returns. Under
+        torch.inference_mode: the caller's where its loop holds it for all its steps (as LLM.generate and
+        the engine thread do: entering the guard is no longer a per-step cost), else torch's own guard."""
         if torch.is_inference_mode_enabled():
             return self._launch_step(so)
-        with torch._C._InferenceMode(True):
+        with torch._C._InferenceMode(True):  # torch.inference_mode's own guard, without its Python wrapper
             return self._launch_step(so)
 
     def _launch_step(self, so: SchedulerOutput) -> PendingStep:
@@ -443,10 +437,7 @@ class ModelRunner:
     def _ids_from_last_step(self, step: StepInputs, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows of the step, token ids) for the requests whose input is the token the last launched step drew
         for them, not yet read back: taken from that draw where it is (on the device)."""
-        drawn, last_reqs = self._last_draw
-        if any(r.spec_token_ids for r in last_reqs):
-            raise RuntimeError("a step with draft tokens cannot feed the next step's inputs before its tokens "
-                               "are read back")
+        drawn, last_reqs = self._last_draw  # (no drafts: the config refuses them with async scheduling)
         where = {r.request_id: j for j, r in enumerate(last_reqs)}
         index = {r.request_id: i for i, r in enumerate(step.reqs)}
         try:
