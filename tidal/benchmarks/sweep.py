@@ -50,11 +50,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tidal_serve_command(model: str, port: int, max_model_len: int = 2048, *extra: str) -> list[str]:
-    """`tidal serve` on `model` at 127.0.0.1:port, as the sweep measures it: bf16, the given max_model_len,
-    request logging off; the engine's defaults otherwise (extra: more options)."""
+def tidal_serve_command(model: str, port: int, max_model_len: int = 2048, *extra: str,
+                        dtype: str = "bfloat16") -> list[str]:
+    """`tidal serve` on `model` at 127.0.0.1:port, as the sweep measures it: bf16 (or dtype), the given
+    max_model_len, request logging off; the engine's defaults otherwise (extra: more options)."""
     return [sys.executable, "-m", "tidal.entrypoints.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--disable-log-requests", *extra]
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--disable-log-requests", *extra]
 
 
 @dataclass
