@@ -13,7 +13,8 @@ import torch
 from tests.helpers import random_prompts, save_tiny_model, tiny_config
 from tests.test_hybrid import save_tiny_hybrid
 from tidal import LLM, SamplingParams
-from tidal.native import cpu_isa, isa_override, runnable_isas
+from tidal.layers.gguf_kernels import invariant_supported
+from tidal.native import isa_override, runnable_isas
 
 TINY_ENGINE = {"max_model_len": 128, "block_size": 4, "max_tokens": 40}
 # Jamba: at least half a cache goes to KV, about 130 tokens per state slot: requests long enough that four
@@ -177,8 +178,8 @@ def test_64_prompts_logprobs_do_not_depend_on_the_batch(tmp_path_factory, kind, 
         path, engine, prompts = None, SMOLLM2_ENGINE, random_prompts(64, 3, 80, 49152, seed=11)
         if dtype == "float32":  # the mode runs GGUF blocks with bf16 activations only: plain fp32 weights
             engine = {**engine, "quantization": "none"}
-        elif cpu_isa() != "avx512_bf16":  # GGUF blocks in the mode need AVX-512 BF16 (a clear error without
-            # it): a CPU without it runs what dtype "auto" picks there, fp32 activations on bf16 weights
+        elif not invariant_supported(torch.bfloat16):  # GGUF blocks in the mode need AVX-512 BF16 (a clear
+            # error without it): a CPU without it runs what dtype "auto" picks there, fp32 on bf16 weights
             dtype, engine = "auto", {**engine, "quantization": "none"}
     else:
         path = _tiny_path(tmp_path_factory, kind)
