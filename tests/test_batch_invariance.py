@@ -143,14 +143,15 @@ def test_the_mode_is_on_by_default_where_it_is_supported(monkeypatch, kwargs, on
 
 def test_the_default_model_runs_in_the_mode_with_packed_weights():
     """The default model with plain weights (its GGUF dequantized at load): batch-invariant, its bf16
-    weights packed (on a CPU with AVX-512 BF16), and a decode alone gives the bits it gets inside a batch
+    weights packed (bf16 activations on a CPU with AVX-512 BF16, fp32 ones on AVX2 and up: what dtype auto
+    picks on each), and a decode alone gives the bits it gets inside a batch
     of others. Kept in its GGUF blocks (the default for a .gguf file) the mode is off unless asked for."""
     from tidal.layers.cpu_kernels import packed_gemm_available
     assert not LLM(max_model_len=128, kv_cache_memory_bytes=16 << 20).llm_engine.config.batch_invariant
     llm = LLM(max_model_len=128, kv_cache_memory_bytes=64 << 20, quantization="none")
     assert llm.llm_engine.config.batch_invariant
     packed = [p for p in llm.llm_engine.runner.model.parameters() if getattr(p, "bf16_packed", None)]
-    assert bool(packed) == (packed_gemm_available() and llm.llm_engine.dtype == torch.bfloat16)
+    assert bool(packed) == packed_gemm_available(llm.llm_engine.dtype)
     prompts = random_prompts(6, 3, 40, 49152, seed=5)
     alone = [_generate(llm, prompts, 6, [i])[0] for i in range(len(prompts))]
     assert _generate(llm, prompts, 6) == alone

@@ -80,8 +80,10 @@ def test_bf16_checkpoint_on_avx2_matches_transformers(bf16_checkpoint):
         assert engine.dtype == torch.float32
         layer = engine.runner.model.model.layers[0]
         assert isinstance(layer.mlp.down_proj.quant_method, Bf16WeightLinearMethod)
-        assert layer.mlp.down_proj.weight.dtype == torch.bfloat16
-        assert engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+        # bf16 weights and table, packed at load for the fp32-activation kernel (one shift or mask widens them)
+        for weight in (layer.mlp.down_proj.weight, engine.runner.model.model.embed_tokens.weight):
+            n, k = weight.bf16_packed
+            assert weight.dtype == torch.int32 and weight.numel() == -(-n // 16) * 16 * (k + k % 2) // 2
         assert layer.self_attn.attn.kv_cache.dtype == torch.bfloat16
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):

@@ -243,6 +243,39 @@ def test_packed_gemm_gives_the_blocked_gemms_bits_for_any_number_of_rows(isa, n,
                        cpu_kernels.bf16_linear(x[:2].contiguous(), w, None))
 
 
+@pytest.mark.parametrize("n,k", [(103, 576), (960, 577), (40, 33), (17, 2050), (1000, 64)])
+def test_packed_fp32_gemm_rows_do_not_depend_on_the_batch(isa, n, k):
+    """fp32 activations on a bf16 weight packed at load (dtype auto without native bf16): each output one
+    FMA chain over k, so 1-4 rows (streamed, several weight tiles at once) and any larger number (register
+    tiles of 5 or 8 rows and the remainders) give a row the same bits; the values are the fp32 product of
+    the bf16 weight; without a vector build cpu_linear unpacks and still agrees."""
+    from tidal.layers.linear import cpu_linear
+    torch.manual_seed(0)
+    x = torch.randn(70, k)
+    w = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n)
+    packed = cpu_kernels.pack_bf16_weight(w)
+    param = torch.nn.Parameter(packed, requires_grad=False)
+    param.bf16_packed = (n, k)
+    reference = torch.nn.functional.linear(x.double(), w.double(), bias.double()).float()
+    if isa == "generic":
+        assert cpu_kernels.packed_linear(x, packed, n, k, bias) is None
+        torch.testing.assert_close(cpu_linear(x[:3], param, bias), reference[:3], atol=1e-4, rtol=1e-5)
+        return
+    full = cpu_kernels.packed_linear(x, packed, n, k, bias)
+    torch.testing.assert_close(full, reference, atol=1e-4, rtol=1e-5)
+    for rows in (slice(0, 1), slice(3, 5), slice(17, 20), slice(36, 40), slice(0, 5), slice(2, 9), slice(10, 27),
+                 slice(50, 70)):
+        assert torch.equal(cpu_kernels.packed_linear(x[rows].contiguous(), packed, n, k, bias), full[rows]), rows
+        assert torch.equal(cpu_linear(x[rows], param, bias), full[rows]), rows
+    torch.testing.assert_close(cpu_kernels.packed_linear(x[:2].contiguous(), packed, n, k, None), reference[:2] - bias,
+                               atol=1e-4, rtol=1e-5)
+    inf = x[:6].clone()
+    inf[1, 3], inf[4, k - 1] = float("inf"), float("nan")
+    out = cpu_kernels.packed_linear(inf, packed, n, k, None)
+    assert torch.isfinite(out[[0, 2, 3, 5]]).all() and not torch.isfinite(out[1]).any() and torch.isnan(out[4]).all()
+
+
 @pytest.mark.parametrize("n,k", [(103, 576), (4099, 64), (40, 33)])
 def test_packed_gemm_finds_each_rows_argmax_as_it_stores_the_logits(isa, n, k):
     """Greedy sampling's LM head: 1-4 rows give the packed kernel's logits and each row's argmax over its

@@ -57,7 +57,7 @@ def test_native_decoder_on_bf16_weights_under_fp32_activations(llama_bf16):
     with isa_override("avx2"):
         llm = LLM(llama_bf16, dtype="auto", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
         layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
-        assert layer.weight.dtype == torch.bfloat16 and llm.llm_engine.dtype == torch.float32
+        assert layer.weight.bf16_packed and llm.llm_engine.dtype == torch.float32  # bf16, packed at load
         _native_equals_python(llm, _prompts())
 
 

@@ -223,6 +223,8 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_linear_f32_bf16w.restype = None
     lib.tidal_linear_f32_bf16w.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_linear_f32_bf16_packed.restype = ctypes.c_int
+    lib.tidal_linear_f32_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_linear_f32.restype = None
     lib.tidal_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_skinny_gemm_bf16_ordered.restype = ctypes.c_int
@@ -339,20 +341,29 @@ def unpack_bf16_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return unpack_bf16_rows(packed, torch.arange(n, device=packed.device), k)
 
 
-def packed_gemm_available() -> bool:
-    """Whether the packed kernel runs on this CPU (an AVX-512 BF16 build of gemm.cpp)."""
-    return cpu_isa() == "avx512_bf16" and _GEMM_LIB.get() is not None
+def packed_gemm_available(act_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a packed kernel for activations of act_dtype runs on this CPU: bf16 (tidal_gemm_bf16_packed)
+    on an AVX-512 BF16 build of gemm.cpp; fp32 (tidal_linear_f32_bf16_packed) on any vector build (AVX2 and
+    up)."""
+    if _GEMM_LIB.get() is None:
+        return False
+    if act_dtype == torch.bfloat16:
+        return cpu_isa() == "avx512_bf16"
+    return act_dtype == torch.float32 and cpu_isa() != "generic"
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
                   bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., k] bf16 @ W^T (+ bias) for a weight W [n, k] held packed (`pack_bf16_weight`), any number of
-    rows, bitwise what `bf16_linear` gives on the plain W, whatever the number of rows: 1-4 rows stream
-    the weight once, more take the blocked kernel. None when it does not apply (no AVX-512 BF16 build)."""
+    """x [..., k] @ W^T (+ bias) in x's dtype for a bf16 weight W [n, k] held packed (`pack_bf16_weight`),
+    any number of rows, a row's result whatever the number of rows. bf16 x: bitwise what `bf16_linear`
+    gives on the plain W (1-4 rows stream the weight once, more take the blocked kernel). fp32 x: each
+    output one fp32 FMA chain over k in order (gemm.cpp: packed_f32), 1-4 rows streaming the weight once,
+    more in register tiles over L1-resident weight tiles. None when it does not apply (no such build)."""
     lib = _GEMM_LIB.get()
-    if lib is None or x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
+    if lib is None or x.dtype not in (torch.bfloat16, torch.float32) or (bias is not None and bias.dtype != x.dtype):
         return None
-    return _run_linear(x, n, k, bias, lambda xp, bp, op, m: lib.tidal_gemm_bf16_packed(
+    kernel = lib.tidal_gemm_bf16_packed if x.dtype == torch.bfloat16 else lib.tidal_linear_f32_bf16_packed
+    return _run_linear(x, n, k, bias, lambda xp, bp, op, m: kernel(
         xp, packed.data_ptr(), bp, op, m, n, k, torch.get_num_threads()))
 
 

@@ -61,7 +61,7 @@ class Bf16WeightLinearMethod(UnquantizedLinearMethod):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.bfloat16), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return bf16_weight_linear(x, layer.weight, bias)
+        return cpu_linear(x, layer.weight, bias)  # packed at load where a kernel reads it, else bf16_weight_linear
 
 
 def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -83,9 +83,10 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     as when the whole prompt runs, so cached and uncached requests agree. fp32 on a CPU: the native fp32
     kernel (1.1-2.6x torch's GEMM on SmolLM2's shapes, 1 to 2048 rows, and its rows independent of the
     row count). Elsewhere (fp16, bf16 without native bf16 products, GPUs) F.linear. A weight narrower than
-    x (bf16 under fp32 activations) takes bf16_weight_linear. A weight packed at load (`weight.bf16_packed`:
-    bf16 on a CPU with AVX-512 BF16, tidal.loader.pack_bf16_weights) takes the packed kernel for any
-    number of rows: the blocked kernel's order, so its rows never depend on the batch, in both modes."""
+    x (bf16 under fp32 activations) takes bf16_weight_linear. A weight packed at load (`weight.bf16_packed`,
+    tidal.loader.pack_bf16_weights: bf16 activations on a CPU with AVX-512 BF16, or a bf16 weight under fp32
+    activations on any CPU with AVX2) takes the packed kernel of x's dtype for any number of rows, in one
+    order, so its rows never depend on the batch, in both modes."""
     packed = getattr(weight, "bf16_packed", None)
     if packed is not None:
         n, k = packed

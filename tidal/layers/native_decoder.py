@@ -103,9 +103,10 @@ def _plain(weight: torch.Tensor, bias, x_dtype: torch.dtype, rows: int, skinny: 
         return None
     packed = getattr(weight, "bf16_packed", None)
     if packed is not None:
-        if x_dtype != torch.bfloat16:
+        if not cpu_kernels.packed_gemm_available(x_dtype):
             return None
-        return _linear(0, _addr(gemm, "tidal_gemm_bf16_packed"), weight, packed[0], packed[1], bias)
+        name = "tidal_gemm_bf16_packed" if x_dtype == torch.bfloat16 else "tidal_linear_f32_bf16_packed"
+        return _linear(0, _addr(gemm, name), weight, packed[0], packed[1], bias)
     n, k = weight.shape
     if weight.dtype == torch.bfloat16 and x_dtype == torch.float32:  # bf16_weight_linear
         return _linear(0, _addr(gemm, "tidal_linear_f32_bf16w"), weight, n, k, bias, fmt=1)

@@ -19,7 +19,7 @@ import torch
 
 from tidal.layers.cpu_kernels import pack_bf16_weight, packed_gemm_available
 from tidal.layers.embedding import VocabParallelEmbedding
-from tidal.layers.linear import LinearBase, UnquantizedLinearMethod
+from tidal.layers.linear import Bf16WeightLinearMethod, LinearBase, UnquantizedLinearMethod
 from tidal.layers.quantization import get_quantization_config
 from tidal.layers.quantization.gguf import pack_embedding
 from tidal.layers.quantization.methods import quantize_embeddings
@@ -277,22 +277,24 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
 
 
 def pack_bf16_weights(model: torch.nn.Module) -> int:
-    """Repack every plain bf16 weight the CPU's packed kernel can read (linear layers without quantization,
-    the embedding and LM-head tables) into its layout, in place (one copy: a tied head and its table share
-    it), on a CPU with AVX-512 BF16. The packed kernel streams a weight once for 1-4 rows and feeds the
-    blocked kernel for more, in one summation order for any number of rows (docs/batch_invariance.md).
-    Returns the number of tensors packed."""
-    if not packed_gemm_available():
-        return 0
+    """Repack every plain bf16 weight a packed kernel of this CPU can read (linear layers without
+    quantization, the embedding and LM-head tables) into its layout, in place (one copy: a tied head and
+    its table share it): under bf16 activations on a CPU with AVX-512 BF16, under fp32 activations (bf16
+    weights read by fp32 products: dtype auto without native bf16) on any CPU with AVX2 or more. A packed
+    kernel streams a weight once for 1-4 rows and runs register tiles for more, in one summation order
+    for any number of rows (docs/batch_invariance.md). Returns the number of tensors packed."""
     done: set[int] = set()
     for module in model.modules():
         if isinstance(module, LinearBase):
-            plain = type(module.quant_method) is UnquantizedLinearMethod
+            method = type(module.quant_method)
+            plain = method in (UnquantizedLinearMethod, Bf16WeightLinearMethod)
+            act_dtype = torch.float32 if method is Bf16WeightLinearMethod else torch.bfloat16
         else:
             plain = isinstance(module, VocabParallelEmbedding) and module.weight_scale is None
+            act_dtype = getattr(module, "dtype", None)
         param = getattr(module, "weight", None) if plain else None
         if (param is None or id(param) in done or param.dtype != torch.bfloat16 or param.dim() != 2
-                or param.device.type != "cpu"):
+                or param.device.type != "cpu" or not packed_gemm_available(act_dtype)):
             continue
         n, k = param.shape
         param.data = pack_bf16_weight(param.data)
