@@ -4,7 +4,7 @@
 
 - GEMM with bf16 weights and fp32 activations (the `dtype auto` path of CPUs without native bf16): the
   packed kernel the engine runs (weights packed at load) and the plain-layout kernel, against torch's
-  fp32 GEMM, for 1 to 2,048 rows, summed over one layer's four products and the LM head.
+  fp32 GEMM, for 1 to 2,048 rows, summed over one layer's four products, and the LM head.
 - bf16 x bf16 GEMM (AVX-512 BF16: the path of prompt chunks and batches in a bf16 model) on the packed
   weight the engine holds and on the plain weight, against oneDNN's GEMM on its own prepacked copy and on
   the plain weight (F.linear), for 16 to 2048 rows, summed over one layer's four products; the LM head
@@ -51,21 +51,22 @@ def timed(fn, n: int = 20) -> float:
 
 def gemm(isa: str) -> None:
     for m in (1, 4, 8, 16, 64, 256, 2048):
-        packed = plain = reference = 0.0
-        for n, k in SHAPES:
-            x, w = torch.randn(m, k), torch.randn(n, k).bfloat16()
-            wf, wp = w.float(), cpu_kernels.pack_bf16_weight(w)
-            rounds = 3 if m * n > 10**7 else 20
-            if cpu_kernels.packed_gemm_available(torch.float32):
-                packed += timed(lambda: cpu_kernels.packed_linear(x, wp, n, k, None), rounds)
-            plain += timed(lambda: cpu_kernels.linear_f32_bf16w(x, w, None), rounds)
-            reference += timed(lambda: F.linear(x, wf), rounds)
-        flops = 2 * m * sum(n * k for n, k in SHAPES)
-        line = f"{isa:12s} gemm rows {m:4d}: "
-        if packed:
-            line += f"packed {packed * 1e3:8.3f} ms ({flops / packed / 1e9:6.1f} GFLOP/s), "
-        print(line + f"plain {plain * 1e3:8.3f} ms ({flops / plain / 1e9:6.1f}), torch fp32 {reference * 1e3:8.3f} ms "
-              f"({flops / reference / 1e9:6.1f}): {reference / (packed or plain):5.2f}x")
+        for part, shapes in (("layer", SHAPES[:4]), ("lm head", SHAPES[4:])):
+            packed = plain = reference = 0.0
+            for n, k in shapes:
+                x, w = torch.randn(m, k), torch.randn(n, k).bfloat16()
+                wf, wp = w.float(), cpu_kernels.pack_bf16_weight(w)
+                rounds = 3 if m * n > 10**7 else 20
+                if cpu_kernels.packed_gemm_available(torch.float32):
+                    packed += timed(lambda: cpu_kernels.packed_linear(x, wp, n, k, None), rounds)
+                plain += timed(lambda: cpu_kernels.linear_f32_bf16w(x, w, None), rounds)
+                reference += timed(lambda: F.linear(x, wf), rounds)
+            flops = 2 * m * sum(n * k for n, k in shapes)
+            line = f"{isa:12s} gemm {part:7s} rows {m:4d}: "
+            if packed:
+                line += f"packed {packed * 1e3:8.3f} ms ({flops / packed / 1e9:6.1f} GFLOP/s), "
+            print(line + f"plain {plain * 1e3:8.3f} ms ({flops / plain / 1e9:6.1f}), torch fp32 "
+                  f"{reference * 1e3:8.3f} ms ({flops / reference / 1e9:6.1f}): {reference / (packed or plain):5.2f}x")
 
 
 def gemm_bf16(isa: str) -> None:
