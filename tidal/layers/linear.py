@@ -55,13 +55,12 @@ class UnquantizedLinearMethod:
 class Bf16WeightLinearMethod(UnquantizedLinearMethod):
     """bf16 weights under fp32 activations (dtype "auto" on CPUs without native bf16 products): the
     checkpoint's tensors are rounded to bf16 as they load, and the native GEMM widens them in registers,
-    so the product is the fp32 product of the bf16 weights with half the bytes of fp32 weights to read."""
+    so the product is the fp32 product of the bf16 weights with half the bytes of fp32 weights to read.
+    `apply` is the plain method's: cpu_linear takes the packed kernel (weights packed at load, AVX2 and up)
+    or bf16_weight_linear."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.bfloat16), requires_grad=False)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_linear(x, layer.weight, bias)  # packed at load where a kernel reads it, else bf16_weight_linear
 
 
 def bf16_weight_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
