@@ -200,10 +200,11 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
                        int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
                        float* scores) {
   constexpr int64_t D = C * W, STEP = TV * W;
-  float tmp[W];
+  alignas(64) float tail[G][TV][W];
   const int64_t chunk_bytes = D * bs * elem_size<DT>();  // one block of one head: contiguous
   for (int64_t start = t_begin; start < t_end; start += STEP) {
     int64_t base[TV];
+    #pragma GCC unroll 16
     for (int v = 0; v < TV; ++v) {
       const int64_t t0 = start + v * W;
       if (t0 >= t_end) { base[v] = base[0]; continue; }  // past the range: computed, never stored
@@ -221,66 +222,94 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
       }
     }
     vf acc[G][TV];
+    #pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
+      #pragma GCC unroll 16
       for (int v = 0; v < TV; ++v) acc[g][v] = simd::zero();
     for (int64_t d = 0; d < D; ++d) {
       vf k[TV];
+      #pragma GCC unroll 16
       for (int v = 0; v < TV; ++v) k[v] = loadv<DT>(k_cache, base[v] + d * bs);
+      #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
         const vf qv = simd::set1(qf[g * D + d]);
+        #pragma GCC unroll 16
         for (int v = 0; v < TV; ++v) acc[g][v] = simd::fmadd(qv, k[v], acc[g][v]);
       }
     }
+    if (start + STEP <= t_end) {  // every index a constant: the accumulators stay in registers in the d loop
+      #pragma GCC unroll 16
+      for (int v = 0; v < TV; ++v)
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) simd::store(scores + g * stride + start + v * W, acc[g][v]);
+      continue;
+    }
+    #pragma GCC unroll 16
+    for (int v = 0; v < TV; ++v)
+      #pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) simd::store(tail[g][v], acc[g][v]);
+    #pragma GCC unroll 16
     for (int v = 0; v < TV; ++v) {
       const int64_t t0 = start + v * W;
       if (t0 >= t_end) break;
       const int64_t n = std::min<int64_t>(W, t_end - t0);
-      for (int g = 0; g < G; ++g) {
-        if (n == W) {
-          simd::store(scores + g * stride + t0, acc[g][v]);
-        } else {
-          simd::store(tmp, acc[g][v]);
-          std::copy(tmp, tmp + n, scores + g * stride + t0);
-        }
+      #pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) std::copy(tail[g][v], tail[g][v] + n, scores + g * stride + t0);
+    }
+  }
+}
+
+// One pass of accumulate_vec: vectors [c0, c0 + CN) of the head dim, all G rows' sums in registers.
+template <int DT, int G, int C, int CN>
+static void accumulate_pass(const float* p, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
+                            int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init, int c0) {
+  constexpr int64_t D = C * W;
+  const int64_t chunk_bytes = D * bs * elem_size<DT>();
+  vf av[G][CN];
+  #pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+    #pragma GCC unroll 16
+    for (int c = 0; c < CN; ++c) av[g][c] = init ? simd::zero() : simd::load(acc + g * D + (c0 + c) * W);
+  for (int64_t start = t_begin; start < t_end; start += bs) {  // block by block: no division per token
+    const int64_t n = std::min(bs, t_end - start);
+    const int64_t block_base = (table[start / bs] * Hk + h) * bs * D + c0 * W;
+    if (c0 == 0 && start + bs < t_end)
+      prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
+    for (int64_t off = 0; off < n; ++off) {
+      const int64_t base = block_base + off * D, t = start + off;
+      vf pv[G];  // G broadcasts, then one V vector at a time: G * CN + G + 1 registers
+      #pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) pv[g] = simd::set1(p[g * stride + t]);
+      #pragma GCC unroll 16
+      for (int c = 0; c < CN; ++c) {
+        const vf vv = loadv<DT>(v_cache, base + c * W);
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) av[g][c] = simd::fmadd(pv[g], vv, av[g][c]);
       }
     }
   }
+  #pragma GCC unroll 16
+  for (int g = 0; g < G; ++g)
+    #pragma GCC unroll 16
+    for (int c = 0; c < CN; ++c) simd::store(acc + g * D + (c0 + c) * W, av[g][c]);
 }
 
 // Weighted sum of V rows: acc[g] += sum_t p[g, t] V[t] over tokens [t_begin, t_end) (t_begin a multiple of
 // bs), starting from zero when init. The head dim is covered in passes of CB vectors, with all G query
 // heads' sums for those CB vectors in registers (G * CB <= kAccRegs) for the whole range: each pass reads
 // its own part of every V row, so V is read (and widened) once. Row g's probabilities at p + g * stride.
+// Each pass's vector count is a template parameter: with every index a constant, the sums never leave the
+// registers inside the loop (with a run-time count they were stored back on every token).
 template <int DT, int G, int C>
 static void accumulate_vec(const float* p, int64_t stride, const void* v_cache, const int64_t* table,
                            int64_t t_begin, int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init) {
-  constexpr int64_t D = C * W;
   constexpr int kAccRegs = W == 16 ? 24 : 12;
   constexpr int CB = std::max(1, std::min(C, kAccRegs / G));  // vectors of the head dim per pass
-  const int64_t chunk_bytes = D * bs * elem_size<DT>();
-  for (int c0 = 0; c0 < C; c0 += CB) {
-    const int cn = std::min(CB, C - c0);
-    vf av[G][CB];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CB; ++c) av[g][c] = init || c >= cn ? simd::zero() : simd::load(acc + g * D + (c0 + c) * W);
-    for (int64_t start = t_begin; start < t_end; start += bs) {  // block by block: no division per token
-      const int64_t n = std::min(bs, t_end - start);
-      const int64_t block_base = (table[start / bs] * Hk + h) * bs * D + c0 * W;
-      if (c0 == 0 && start + bs < t_end)
-        prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
-      for (int64_t off = 0; off < n; ++off) {
-        const int64_t base = block_base + off * D, t = start + off;
-        vf vv[CB];
-        for (int c = 0; c < CB; ++c) vv[c] = c < cn ? loadv<DT>(v_cache, base + c * W) : simd::zero();
-        for (int g = 0; g < G; ++g) {
-          const vf pv = simd::set1(p[g * stride + t]);
-          for (int c = 0; c < CB; ++c) av[g][c] = simd::fmadd(pv, vv[c], av[g][c]);
-        }
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < cn; ++c) simd::store(acc + g * D + (c0 + c) * W, av[g][c]);
-  }
+  constexpr int full = C / CB * CB;
+  for (int c0 = 0; c0 < full; c0 += CB)
+    accumulate_pass<DT, G, C, CB>(p, stride, v_cache, table, t_begin, t_end, h, Hk, bs, acc, init, c0);
+  if constexpr (C % CB != 0)
+    accumulate_pass<DT, G, C, C % CB>(p, stride, v_cache, table, t_begin, t_end, h, Hk, bs, acc, init, full);
 }
 
 #if defined(__AVX512BF16__)
