@@ -47,7 +47,7 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_write_kv
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-                   + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_void_p])
+                   + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_void_p, ctypes.c_int])
 
 
 _LIB = NativeLibrary("cpu_kernels", os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp"),
@@ -152,7 +152,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(),
                        k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
                        _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale,
-                       None if k_shift is None else k_shift.data_ptr())
+                       None if k_shift is None else k_shift.data_ptr(), torch.get_num_threads())
     return True
 
 

@@ -904,8 +904,11 @@ static void to_e4m3(const void* src, int64_t start, int64_t n, float scale, uint
 template <int DT>
 static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                           uint8_t* kc, uint8_t* vc, int64_t T, int64_t Hk, int64_t D, int64_t bs, float k_scale,
-                          float v_scale, const float* k_shift) {
+                          float v_scale, const float* k_shift, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (T * Hk * D >= 8192)
+  {
   std::vector<uint8_t> row(D);
+#pragma omp for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / bs, off = slots[t] % bs;
     for (int64_t h = 0; h < Hk; ++h) {
@@ -915,21 +918,37 @@ static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_
       to_e4m3<DT>(v, t * v_stride + h * D, D, v_scale, vc + ((block * Hk + h) * bs + off) * D);
     }
   }
+  }
 }
 
+// Rows of T tokens, split over the threads when there are many (a prompt chunk, a large batch of decodes).
+// A decode's slot sits in a cache block written long ago, out of the caches: the lines the next token's
+// rows go to (its K column touches every line of the head's K block) are asked for while this token is
+// written, so the stores do not wait on memory one line after another.
 template <typename S, typename E>
 static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
-                     void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs) {
+                     void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs, int num_threads) {
   const S* ks = static_cast<const S*>(k);
   const S* vs = static_cast<const S*>(v);
   E* kc = static_cast<E*>(k_cache);
   E* vc = static_cast<E*>(v_cache);
+  const int64_t chunk = D * bs;  // one head of one block
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * Hk * D >= 8192)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / bs, off = slots[t] % bs;
+#if defined(TIDAL_VEC)
+    if (t + 1 < T && slots[t + 1] / bs != block) {
+      const int64_t next = slots[t + 1] / bs, next_off = slots[t + 1] % bs;
+      for (int64_t h = 0; h < Hk; ++h) {
+        prefetch_bytes(reinterpret_cast<const char*>(kc + (next * Hk + h) * chunk), chunk * sizeof(E));
+        prefetch_bytes(reinterpret_cast<const char*>(vc + ((next * Hk + h) * bs + next_off) * D), D * sizeof(E));
+      }
+    }
+#endif
     for (int64_t h = 0; h < Hk; ++h) {
       const S* kr = ks + t * k_stride + h * D;
       const S* vr = vs + t * v_stride + h * D;
-      E* kdst = kc + (block * Hk + h) * D * bs + off;
+      E* kdst = kc + (block * Hk + h) * chunk + off;
       E* vdst = vc + ((block * Hk + h) * bs + off) * D;
       for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
       if constexpr (std::is_same<S, E>::value) std::memcpy(vdst, vr, D * sizeof(E));
@@ -1049,20 +1068,21 @@ void tidal_rope_neox(const void* x, int64_t x_stride, const float* cos_full, con
 // cache, divided by k_scale / v_scale first, K rows less k_shift [Hk * D] fp32 first when it is not null).
 void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                     void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype,
-                    int kv_dtype, float k_scale, float v_scale, const float* k_shift) {
+                    int kv_dtype, float k_scale, float v_scale, const float* k_shift, int num_threads) {
 #define TIDAL_WRITE_E4M3(S) write_kv_e4m3<S>(k, k_stride, v, v_stride, slots, static_cast<uint8_t*>(k_cache), \
                                              static_cast<uint8_t*>(v_cache), T, Hk, D, block_size, k_scale, v_scale, \
-                                             k_shift)
+                                             k_shift, num_threads)
   if (kv_dtype == kFP8) {
     if (dtype == kF32) TIDAL_WRITE_E4M3(kF32);
     else if (dtype == kBF16) TIDAL_WRITE_E4M3(kBF16);
     else TIDAL_WRITE_E4M3(kF16);
   } else if (dtype == kF32 && kv_dtype == kBF16)
-    write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+    write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size, num_threads);
   else if (dtype == kF32)
-    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size, num_threads);
   else  // any 2-byte type into the same type
-    write_kv<uint16_t, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size);
+    write_kv<uint16_t, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size,
+                                   num_threads);
 #undef TIDAL_WRITE_E4M3
 }
 

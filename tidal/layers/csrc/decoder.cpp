@@ -61,7 +61,7 @@ using rms_norm_fn = void (*)(const void*, const void*, const void*, void*, void*
 using rope_fn = void (*)(const void*, int64_t, const float*, const float*, const int64_t*, void*, int64_t, int64_t,
                          int64_t, int, int);
 using write_kv_fn = void (*)(const void*, int64_t, const void*, int64_t, const int64_t*, void*, void*, int64_t,
-                             int64_t, int64_t, int64_t, int, int, float, float, const float*);
+                             int64_t, int64_t, int64_t, int, int, float, float, const float*, int);
 using attention_fn = void (*)(const void*, const void*, const void*, const int64_t*, const int64_t*, const int64_t*,
                               void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int, float,
                               float, int);
@@ -153,7 +153,7 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
     const uint8_t* v = static_cast<const uint8_t*>(qkv) + (q_size + kv_size) * es;
     const uint8_t* k = static_cast<const uint8_t*>(qk) + q_size * es;
     write_kv(k, q_size + kv_size, v, qkv_size, slots, L.k_cache, L.v_cache, T, hk, D, m->block_size, dt,
-             L.kv_dtype, L.k_scale, L.v_scale, L.k_shift);
+             L.kv_dtype, L.k_scale, L.v_scale, L.k_shift, th);
     const void* qc = qk;
     if (T > 1) {  // the attention kernel takes contiguous queries: q's rows out of [q | k] rows
       for (int64_t t = 0; t < T; ++t)
