@@ -20,10 +20,11 @@
 - Paged attention: 64 decodes over 1,100 cached tokens each (own blocks; sharing their first 1,024
   tokens' blocks, attended in tiles over those, and untiled), and one 64-token prompt chunk over
   1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16, fp32 and FP8 (E4M3)
-  caches and bf16 over bf16 and FP8; and one 256-token prompt attending to itself (causal, in tiles).
+  caches and bf16 over bf16 and FP8; one 256-token prompt attending to itself (causal, in tiles); and 128
+  decodes over 340 tokens in a cache three times L3 (K/V from memory, as in a serving batch).
   GFLOP/s count 4 * heads * head_dim per query and cached token.
 - The rest of a layer for a prompt of 256 and 2,048 tokens: the two RMSNorms, rotary, the KV write and
-  SiLU-and-mul (`--only elementwise`).
+  SiLU-and-mul; and the KV write of 128 decodes into a cache far larger than L3 (`--only elementwise`).
 Run with the machine otherwise idle; name the CPU (lscpu) beside the figures.
 """
 from __future__ import annotations
@@ -122,6 +123,17 @@ def elementwise(isa: str) -> None:
         print(f"{isa:12s} elementwise {str(dt)[6:]:8s} prompt of {t:4d}: "
               + ", ".join(f"{name} {sec * 1e3:.3f}" for name, sec in times.items())
               + f" ms; one layer {sum(times.values()) * 1e3:.3f} ms")
+    # the KV write of 128 decodes, each into a block of its own in caches of 98 MB (out of L3, as in a
+    # serving batch: every K column touches its head's 32 lines of the block), four layers' caches in turn
+    kv_dt = torch.bfloat16
+    big_nb, m = 8000, 128
+    caches = [split_kv_cache(torch.zeros(kv_cache_shape(big_nb, bs, hk, d), dtype=kv_dt)) for _ in range(4)]
+    k, v = torch.randn(m, hk, d).to(dt), torch.randn(m, hk, d).to(dt)
+    slots = torch.randperm(big_nb)[:m] * bs + torch.randint(0, bs, (m,))
+    turn = iter(range(1 << 30))
+    write = timed(lambda: cpu_kernels.write_kv(k, v, *caches[next(turn) % 4], slots), 100)
+    print(f"{isa:12s} elementwise {str(dt)[6:]:8s} KV write of {m} decodes into a {str(kv_dt)[6:]} cache from "
+          f"memory: {write * 1e6:.1f} us")
 
 
 def rotating(w: torch.Tensor, nbytes: int = 96 << 20) -> list[torch.Tensor]:
@@ -239,6 +251,20 @@ def attention(isa: str) -> None:
             flops = 4 * hq * d * int(lens.sum())
             print(f"{isa:12s} attention {str(qdt)[6:]:8s} over {str(kdt)[6:]:13s} cache, {name:15s}: "
                   f"{dt * 1e3:7.2f} ms ({flops / dt / 1e9:6.1f} GFLOP/s)")
+        # a serving batch: 128 decodes over 340 tokens each, in blocks of their own among 8,000 (a cache of
+        # 98 MB in bf16, three times L3: K and V come from memory, as in the engine)
+        big_nb, m, ctx_m = 8000, 128, 340
+        big = torch.empty(kv_cache_shape(big_nb, bs, hk, d), dtype=kdt)
+        big.view(torch.uint8).random_(0, 64)  # small finite values of any dtype
+        bk, bv = split_kv_cache(big)
+        per = -(-ctx_m // bs)
+        big_tables = torch.randperm(big_nb)[:m * per].view(m, per).contiguous()
+        q = q_all[:1].expand(m, hq, d).contiguous()
+        lens = torch.full((m,), ctx_m)
+        dt = timed(lambda: cpu_kernels.paged_attention_decode(q, bk, bv, big_tables, lens, d ** -0.5, None))
+        nbytes, flops = m * ctx_m * hk * d * 2 * big.element_size(), 4 * hq * d * m * ctx_m
+        print(f"{isa:12s} attention {str(qdt)[6:]:8s} over {str(kdt)[6:]:13s} cache, {m} decodes from memory: "
+              f"{dt * 1e3:7.2f} ms ({flops / dt / 1e9:6.1f} GFLOP/s, K/V {nbytes / dt / 1e9:5.1f} GB/s)")
 
 
 def main() -> None:
