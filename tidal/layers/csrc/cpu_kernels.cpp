@@ -259,6 +259,8 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
   }
 }
 
+constexpr int kVecRegs = W == 16 ? 32 : 16;  // vector registers: AVX-512's, AVX2's
+
 // One pass of accumulate_vec: vectors [c0, c0 + CN) of the head dim, all G rows' sums in registers.
 template <int DT, int G, int C, int CN>
 static void accumulate_pass(const float* p, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
@@ -277,14 +279,26 @@ static void accumulate_pass(const float* p, int64_t stride, const void* v_cache,
       prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
     for (int64_t off = 0; off < n; ++off) {
       const int64_t base = block_base + off * D, t = start + off;
-      vf pv[G];  // G broadcasts, then one V vector at a time: G * CN + G + 1 registers
-      #pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) pv[g] = simd::set1(p[g * stride + t]);
-      #pragma GCC unroll 16
-      for (int c = 0; c < CN; ++c) {
-        const vf vv = loadv<DT>(v_cache, base + c * W);
+      if constexpr (G * CN + G + 1 <= kVecRegs) {  // G broadcasts, then one V vector at a time
+        vf pv[G];
         #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) av[g][c] = simd::fmadd(pv[g], vv, av[g][c]);
+        for (int g = 0; g < G; ++g) pv[g] = simd::set1(p[g * stride + t]);
+        #pragma GCC unroll 16
+        for (int c = 0; c < CN; ++c) {
+          const vf vv = loadv<DT>(v_cache, base + c * W);
+          #pragma GCC unroll 16
+          for (int g = 0; g < G; ++g) av[g][c] = simd::fmadd(pv[g], vv, av[g][c]);
+        }
+      } else {  // the CN V vectors, then one broadcast at a time: G * CN + CN + 1 registers
+        vf vv[CN];
+        #pragma GCC unroll 16
+        for (int c = 0; c < CN; ++c) vv[c] = loadv<DT>(v_cache, base + c * W);
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) {
+          const vf pv = simd::set1(p[g * stride + t]);
+          #pragma GCC unroll 16
+          for (int c = 0; c < CN; ++c) av[g][c] = simd::fmadd(pv, vv[c], av[g][c]);
+        }
       }
     }
   }
