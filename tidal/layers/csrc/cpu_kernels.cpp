@@ -915,30 +915,47 @@ static void to_e4m3(const void* src, int64_t start, int64_t n, float scale, uint
     dst[i] = simd::e4m3::from_float((shift ? load1<DT>(src, start + i) - shift[i] : load1<DT>(src, start + i)) / scale);
 }
 
+// A decode's slot sits in a cache block written long ago, out of the caches: the lines token t + 1's rows
+// go to (its K column touches every line of its head's K block) are asked for while token t is written, so
+// the stores do not wait on memory one line after another. Nothing when t + 1 goes to t's block.
+template <typename E>
+static inline void prefetch_next_slot(const int64_t* slots, int64_t t, int64_t T, const E* kc, const E* vc,
+                                      int64_t Hk, int64_t D, int64_t bs) {
+#if defined(TIDAL_VEC)
+  if (t + 1 >= T || slots[t + 1] / bs == slots[t] / bs) return;
+  const int64_t next = slots[t + 1] / bs, off = slots[t + 1] % bs;
+  for (int64_t h = 0; h < Hk; ++h) {
+    prefetch_bytes(reinterpret_cast<const char*>(kc + (next * Hk + h) * D * bs), D * bs * sizeof(E));
+    prefetch_bytes(reinterpret_cast<const char*>(vc + ((next * Hk + h) * bs + off) * D), D * sizeof(E));
+  }
+#else
+  (void)slots; (void)t; (void)T; (void)kc; (void)vc; (void)Hk; (void)D; (void)bs;
+#endif
+}
+
+// The writes below split their tokens over the threads when there are many (a prompt chunk, a large
+// batch of decodes).
 template <int DT>
 static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                           uint8_t* kc, uint8_t* vc, int64_t T, int64_t Hk, int64_t D, int64_t bs, float k_scale,
                           float v_scale, const float* k_shift, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (T * Hk * D >= 8192)
   {
-  std::vector<uint8_t> row(D);
+    std::vector<uint8_t> row(D);
 #pragma omp for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t block = slots[t] / bs, off = slots[t] % bs;
-    for (int64_t h = 0; h < Hk; ++h) {
-      to_e4m3<DT>(k, t * k_stride + h * D, D, k_scale, row.data(), k_shift ? k_shift + h * D : nullptr);
-      uint8_t* kdst = kc + (block * Hk + h) * D * bs + off;
-      for (int64_t d = 0; d < D; ++d) kdst[d * bs] = row[d];
-      to_e4m3<DT>(v, t * v_stride + h * D, D, v_scale, vc + ((block * Hk + h) * bs + off) * D);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t block = slots[t] / bs, off = slots[t] % bs;
+      prefetch_next_slot(slots, t, T, kc, vc, Hk, D, bs);
+      for (int64_t h = 0; h < Hk; ++h) {
+        to_e4m3<DT>(k, t * k_stride + h * D, D, k_scale, row.data(), k_shift ? k_shift + h * D : nullptr);
+        uint8_t* kdst = kc + (block * Hk + h) * D * bs + off;
+        for (int64_t d = 0; d < D; ++d) kdst[d * bs] = row[d];
+        to_e4m3<DT>(v, t * v_stride + h * D, D, v_scale, vc + ((block * Hk + h) * bs + off) * D);
+      }
     }
-  }
   }
 }
 
-// Rows of T tokens, split over the threads when there are many (a prompt chunk, a large batch of decodes).
-// A decode's slot sits in a cache block written long ago, out of the caches: the lines the next token's
-// rows go to (its K column touches every line of the head's K block) are asked for while this token is
-// written, so the stores do not wait on memory one line after another.
 template <typename S, typename E>
 static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                      void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs, int num_threads) {
@@ -946,23 +963,14 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
   const S* vs = static_cast<const S*>(v);
   E* kc = static_cast<E*>(k_cache);
   E* vc = static_cast<E*>(v_cache);
-  const int64_t chunk = D * bs;  // one head of one block
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T * Hk * D >= 8192)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t block = slots[t] / bs, off = slots[t] % bs;
-#if defined(TIDAL_VEC)
-    if (t + 1 < T && slots[t + 1] / bs != block) {
-      const int64_t next = slots[t + 1] / bs, next_off = slots[t + 1] % bs;
-      for (int64_t h = 0; h < Hk; ++h) {
-        prefetch_bytes(reinterpret_cast<const char*>(kc + (next * Hk + h) * chunk), chunk * sizeof(E));
-        prefetch_bytes(reinterpret_cast<const char*>(vc + ((next * Hk + h) * bs + next_off) * D), D * sizeof(E));
-      }
-    }
-#endif
+    prefetch_next_slot(slots, t, T, kc, vc, Hk, D, bs);
     for (int64_t h = 0; h < Hk; ++h) {
       const S* kr = ks + t * k_stride + h * D;
       const S* vr = vs + t * v_stride + h * D;
-      E* kdst = kc + (block * Hk + h) * chunk + off;
+      E* kdst = kc + (block * Hk + h) * D * bs + off;
       E* vdst = vc + ((block * Hk + h) * bs + off) * D;
       for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
       if constexpr (std::is_same<S, E>::value) std::memcpy(vdst, vr, D * sizeof(E));
