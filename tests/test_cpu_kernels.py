@@ -98,6 +98,13 @@ def test_paged_decode_matches_torch(dtype):
     native = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, index)
     reference = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables[index], lens, 150, d ** -0.5)
     torch.testing.assert_close(native.float(), reference, atol=tol, rtol=tol)
+    # the queries read in place from wider rows ([q | k], as the rotary writes them): the same bits
+    rows = torch.randn(4, (hq + hk) * d, dtype=dtype)
+    rows[:, :hq * d] = q.reshape(4, -1)
+    strided = rows[:, :hq * d].view(4, hq, d)
+    assert not strided.is_contiguous()
+    assert torch.equal(cpu_kernels.paged_attention_decode(strided, k_cache, v_cache, tables, lens, d ** -0.5, index),
+                       native)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

@@ -29,8 +29,8 @@ _CACHE_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 3}  # an FP8 (E4M3) KV cache: k
 def _configure(lib: ctypes.CDLL) -> None:
     fn = lib.tidal_paged_attention_decode
     fn.restype = None
-    fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
-                   + [ctypes.c_float] * 2 + [ctypes.c_int])
+    fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+                   + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int])
     fn = lib.tidal_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -99,14 +99,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lib = _lib_for(q)
     if lib is None or q.dtype not in _DTYPES or not _cache_dtype_ok(q.dtype, k_cache.dtype):
         return None
-    q = q.contiguous()
+    B, Hq, D = q.shape
+    if q.stride(2) != 1 or q.stride(1) != D:  # each query's heads contiguous; the queries may be strided
+        q = q.contiguous()
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     index = None if table_index is None else table_index.contiguous()
-    out = torch.empty_like(q)
-    B, Hq, D = q.shape
+    out = torch.empty(B, Hq, D, dtype=q.dtype)
     lib.tidal_paged_attention_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         None if index is None else index.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
         _DTYPES[q.dtype], _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale, torch.get_num_threads())

@@ -684,7 +684,7 @@ static constexpr int64_t kMinSharedBlocks = 4;
 // - other queries (decodes) whose tables share their first blocks (a common prompt prefix in the prefix
 //   cache), over the shared blocks (cascade attention), each continuing alone over its own blocks.
 template <int QDT, int KDT>
-static void decode(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
+static void decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                    const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
                    int64_t bs, int64_t max_blocks, float scale, float k_scale, float v_scale, int num_threads) {
   const int64_t G = Hq / Hk;
@@ -787,7 +787,7 @@ static void decode(const void* q, const void* k_cache, const void* v_cache, cons
         const int64_t b = order[tile.first + std::min(i, n - 1)];
         lens[i] = i < n ? seq_lens[b] : std::min(seq_lens[b], std::max<int64_t>(tile.shared, 1));
         tabs[i] = table_of(b);
-        widen<QDT>(q, (b * Hq + h * G) * D, G * D, qf.data() + i * G * D);  // its G query heads
+        widen<QDT>(q, b * q_stride + h * G * D, G * D, qf.data() + i * G * D);  // its G query heads
       }
 #if defined(TIDAL_VEC)
       if (one) {
@@ -1121,17 +1121,19 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
   else rms_norm<kF16>(x, residual, weight, out, residual_out, T, H, eps, num_threads);
 }
 
-// q [B, Hq, D]; k_cache [num_blocks, Hk, D, block_size]; v_cache [num_blocks, Hk, block_size, D];
-// block_tables [rows, max_blocks]; table_index [B] (query b reads row table_index[b]; null: row b);
-// seq_lens [B] (including the new token); out [B, Hq, D]. All contiguous. dtype (q and out), kv_dtype
+// q [B, Hq, D], query b's heads at q + b * q_stride (elements; Hq * D when contiguous, more when the queries
+// are read in place from rows of [q | k] or [q | k | v]); k_cache [num_blocks, Hk, D, block_size]; v_cache
+// [num_blocks, Hk, block_size, D]; block_tables [rows, max_blocks]; table_index [B] (query b reads row
+// table_index[b]; null: row b); seq_lens [B] (including the new token); out [B, Hq, D]. All but q
+// contiguous. dtype (q and out), kv_dtype
 // (the cache): 0 f32, 1 bf16, 2 f16, 3 E4M3; equal, fp32 queries over a bf16 cache, or any queries over an
 // E4M3 cache whose values are k_scale / v_scale times the stored ones (ignored for other caches).
-void tidal_paged_attention_decode(const void* q, const void* k_cache, const void* v_cache,
+void tidal_paged_attention_decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
                                   void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
                                   int64_t max_blocks, float scale, int dtype, int kv_dtype, float k_scale,
                                   float v_scale, int num_threads) {
-#define TIDAL_DECODE(Q, K) decode<Q, K>(q, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, \
+#define TIDAL_DECODE(Q, K) decode<Q, K>(q, q_stride, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, \
                                         block_size, max_blocks, scale, k_scale, v_scale, num_threads)
   if (kv_dtype == kFP8) {
     if (dtype == kF32) TIDAL_DECODE(kF32, kFP8);

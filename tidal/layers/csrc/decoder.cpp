@@ -62,7 +62,7 @@ using rope_fn = void (*)(const void*, int64_t, const float*, const float*, const
                          int64_t, int, int);
 using write_kv_fn = void (*)(const void*, int64_t, const void*, int64_t, const int64_t*, void*, void*, int64_t,
                              int64_t, int64_t, int64_t, int, int, float, float, const float*, int);
-using attention_fn = void (*)(const void*, const void*, const void*, const int64_t*, const int64_t*, const int64_t*,
+using attention_fn = void (*)(const void*, int64_t, const void*, const void*, const int64_t*, const int64_t*, const int64_t*,
                               void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int, float,
                               float, int);
 using w8a8_fn = int (*)(const void*, int, const void*, const void*, const void*, const void*, void*, int64_t,
@@ -110,24 +110,22 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
   constexpr int64_t kKeepBytes = int64_t{128} << 20;
   thread_local std::vector<uint8_t> kept;
   std::vector<uint8_t> once;
-  const int64_t sizes[] = {T * H, T * H, T * qkv_size, T * (q_size + kv_size), T * q_size, T * q_size,
-                           T * 2 * I, T * I, T * H};
+  const int64_t sizes[] = {T * H, T * H, T * qkv_size, T * (q_size + kv_size), T * q_size, T * 2 * I, T * I, T * H};
   int64_t total = 0;
   for (int64_t s : sizes) total += (s * es + 63) / 64 * 64;
   std::vector<uint8_t>& scratch = total <= kKeepBytes ? kept : once;
   if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
   uint8_t* p = scratch.data();
-  void* buf[9];
-  for (int i = 0; i < 9; ++i) { buf[i] = p; p += (sizes[i] * es + 63) / 64 * 64; }
+  void* buf[8];
+  for (int i = 0; i < 8; ++i) { buf[i] = p; p += (sizes[i] * es + 63) / 64 * 64; }
   void* normed = buf[0];
   void* res2 = buf[1];
   void* qkv = buf[2];
   void* qk = buf[3];
-  void* q = buf[4];
-  void* attn = buf[5];
-  void* gate_up = buf[6];
-  void* act = buf[7];
-  void* out = buf[8];  // the output and down products' output (the caller's hidden is an input)
+  void* attn = buf[4];
+  void* gate_up = buf[5];
+  void* act = buf[6];
+  void* out = buf[7];  // the output and down products' output (the caller's hidden is an input)
   const int dt = m->dtype, th = m->threads;
   auto rms_norm = reinterpret_cast<rms_norm_fn>(m->rms_norm);
   auto rope = reinterpret_cast<rope_fn>(m->rope);
@@ -154,15 +152,9 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
     const uint8_t* k = static_cast<const uint8_t*>(qk) + q_size * es;
     write_kv(k, q_size + kv_size, v, qkv_size, slots, L.k_cache, L.v_cache, T, hk, D, m->block_size, dt,
              L.kv_dtype, L.k_scale, L.v_scale, L.k_shift, th);
-    const void* qc = qk;
-    if (T > 1) {  // the attention kernel takes contiguous queries: q's rows out of [q | k] rows
-      for (int64_t t = 0; t < T; ++t)
-        std::memcpy(static_cast<uint8_t*>(q) + t * q_size * es, static_cast<const uint8_t*>(qk) + t * (q_size + kv_size) * es,
-                    q_size * es);
-      qc = q;
-    }
-    attention(qc, L.k_cache, L.v_cache, block_table, token_rows, seq_lens, attn, T, hq, hk, D, m->block_size,
-              m->max_blocks, m->scale, dt, L.kv_dtype, L.k_scale, L.v_scale, th);
+    // the queries are read in place from the [q | k] rows
+    attention(qk, q_size + kv_size, L.k_cache, L.v_cache, block_table, token_rows, seq_lens, attn, T, hq, hk, D,
+              m->block_size, m->max_blocks, m->scale, dt, L.kv_dtype, L.k_scale, L.v_scale, th);
     if (run_linear(L.o, attn, out, T, dt, th)) return 1;
     rms_norm(out, res, L.post_norm, normed, res_other, T, H, m->eps, dt, th);
     std::swap(res, res_other);
