@@ -684,9 +684,10 @@ static constexpr int64_t kMinSharedBlocks = 4;
 // - other queries (decodes) whose tables share their first blocks (a common prompt prefix in the prefix
 //   cache), over the shared blocks (cascade attention), each continuing alone over its own blocks.
 template <int QDT, int KDT>
-static void decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int64_t* block_tables,
-                   const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                   int64_t bs, int64_t max_blocks, float scale, float k_scale, float v_scale, int num_threads) {
+static void decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                   const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B,
+                   int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t max_blocks, float scale, float k_scale,
+                   float v_scale, int num_threads) {
   const int64_t G = Hq / Hk;
   const float out_scale = KDT == kFP8 ? 256.f * v_scale : 1.f;
   if (KDT == kFP8) scale *= 256.f * k_scale;
@@ -1133,8 +1134,8 @@ void tidal_paged_attention_decode(const void* q, int64_t q_stride, const void* k
                                   void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
                                   int64_t max_blocks, float scale, int dtype, int kv_dtype, float k_scale,
                                   float v_scale, int num_threads) {
-#define TIDAL_DECODE(Q, K) decode<Q, K>(q, q_stride, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, \
-                                        block_size, max_blocks, scale, k_scale, v_scale, num_threads)
+#define TIDAL_DECODE(Q, K) decode<Q, K>(q, q_stride, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, \
+                                        Hq, Hk, D, block_size, max_blocks, scale, k_scale, v_scale, num_threads)
   if (kv_dtype == kFP8) {
     if (dtype == kF32) TIDAL_DECODE(kF32, kFP8);
     else if (dtype == kBF16) TIDAL_DECODE(kBF16, kFP8);

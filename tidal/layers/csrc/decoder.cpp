@@ -62,9 +62,9 @@ using rope_fn = void (*)(const void*, int64_t, const float*, const float*, const
                          int64_t, int, int);
 using write_kv_fn = void (*)(const void*, int64_t, const void*, int64_t, const int64_t*, void*, void*, int64_t,
                              int64_t, int64_t, int64_t, int, int, float, float, const float*, int);
-using attention_fn = void (*)(const void*, int64_t, const void*, const void*, const int64_t*, const int64_t*, const int64_t*,
-                              void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int, float,
-                              float, int);
+using attention_fn = void (*)(const void*, int64_t, const void*, const void*, const int64_t*, const int64_t*,
+                              const int64_t*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int,
+                              float, float, int);
 using w8a8_fn = int (*)(const void*, int, const void*, const void*, const void*, const void*, void*, int64_t,
                         int64_t, int64_t, int);
 using silu_fn = int (*)(const void*, void*, int64_t, int64_t, int, int);
