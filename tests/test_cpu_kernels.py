@@ -254,8 +254,9 @@ def test_packed_gemm_gives_the_blocked_gemms_bits_for_any_number_of_rows(isa, n,
 def test_packed_fp32_gemm_rows_do_not_depend_on_the_batch(isa, n, k):
     """fp32 activations on a bf16 weight packed at load (dtype auto without native bf16): each output one
     FMA chain over k, so 1-4 rows (streamed, several weight tiles at once) and any larger number (register
-    tiles of 5 or 8 rows and the remainders) give a row the same bits; the values are the fp32 product of
-    the bf16 weight; without a vector build cpu_linear unpacks and still agrees."""
+    tiles of up to 5 or 8 rows, the rows spread evenly over them: 6 rows as 3 + 3, 13 as 5 + 4 + 4 or 7 + 6)
+    give a row the same bits; the values are the fp32 product of the bf16 weight; without a vector build
+    cpu_linear unpacks and still agrees."""
     from tidal.layers.linear import cpu_linear
     torch.manual_seed(0)
     x = torch.randn(70, k)
@@ -271,8 +272,8 @@ def test_packed_fp32_gemm_rows_do_not_depend_on_the_batch(isa, n, k):
         return
     full = cpu_kernels.packed_linear(x, packed, n, k, bias)
     torch.testing.assert_close(full, reference, atol=1e-4, rtol=1e-5)
-    for rows in (slice(0, 1), slice(3, 5), slice(17, 20), slice(36, 40), slice(0, 5), slice(2, 9), slice(10, 27),
-                 slice(50, 70)):
+    for rows in (slice(0, 1), slice(3, 5), slice(17, 20), slice(36, 40), slice(0, 5), slice(0, 6), slice(2, 9),
+                 slice(5, 16), slice(0, 13), slice(20, 36), slice(40, 61), slice(10, 27), slice(50, 70)):
         assert torch.equal(cpu_kernels.packed_linear(x[rows].contiguous(), packed, n, k, bias), full[rows]), rows
         assert torch.equal(cpu_linear(x[rows], param, bias), full[rows]), rows
     torch.testing.assert_close(cpu_kernels.packed_linear(x[:2].contiguous(), packed, n, k, None), reference[:2] - bias,
