@@ -306,8 +306,8 @@ static void blocked(const float* x, const uint32_t* w, const float* bias, float*
 #pragma omp for schedule(guided) nowait
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t n0 = t * 16;
-      rows_of_tile(x + m0 * K, mc, w + t * tstride, tstride, K, bias ? bias + n0 : nullptr,
-                        out + m0 * N + n0, N, (int)std::min<int64_t>(16, N - n0));
+      rows_of_tile(x + m0 * K, mc, w + t * tstride, tstride, K, bias ? bias + n0 : nullptr, out + m0 * N + n0, N,
+                   (int)std::min<int64_t>(16, N - n0));
     }
   }
 }
