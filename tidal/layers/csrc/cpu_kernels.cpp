@@ -1126,9 +1126,9 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 // are read in place from rows of [q | k] or [q | k | v]); k_cache [num_blocks, Hk, D, block_size]; v_cache
 // [num_blocks, Hk, block_size, D]; block_tables [rows, max_blocks]; table_index [B] (query b reads row
 // table_index[b]; null: row b); seq_lens [B] (including the new token); out [B, Hq, D]. All but q
-// contiguous. dtype (q and out), kv_dtype
-// (the cache): 0 f32, 1 bf16, 2 f16, 3 E4M3; equal, fp32 queries over a bf16 cache, or any queries over an
-// E4M3 cache whose values are k_scale / v_scale times the stored ones (ignored for other caches).
+// contiguous. dtype (q and out), kv_dtype (the cache): 0 f32, 1 bf16, 2 f16, 3 E4M3; equal, fp32 queries
+// over a bf16 cache, or any queries over an E4M3 cache whose values are k_scale / v_scale times the stored
+// ones (ignored for other caches).
 void tidal_paged_attention_decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                                   const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
                                   void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
