@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random model folders (built once per session) and the real default model
-(SmolLM2-135M-Instruct, fp32), loaded once per session and checked to be left idle by every test."""
+(SmolLM2-135M-Instruct, fp32), loaded once per session and checked to be left idle by every test; a fresh
+cache folder that keeps the native kernels' builds (`cache_dir`)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -36,3 +39,15 @@ def smollm2(_smollm2_session):
     assert_engine_idle(_smollm2_session.llm_engine)
     yield _smollm2_session
     assert_engine_idle(_smollm2_session.llm_engine)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """Conversions in a fresh cache folder; the native kernels' builds still from the usual one (linked)."""
+    from tidal.native import cache_dir as native_cache
+    kernels = os.path.join(native_cache(), "kernels")
+    os.makedirs(kernels, exist_ok=True)
+    os.makedirs(tmp_path / "cache")
+    os.symlink(kernels, tmp_path / "cache" / "kernels")
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path

@@ -198,18 +198,6 @@ def _transformers(model) -> tuple[list[list[int]], torch.Tensor]:
     return tokens, torch.tensor([lp for p in PROMPTS for lp in hf_prompt_logprobs(model, p)])
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """Conversions in a fresh cache folder; the native kernels' builds still from the usual one (linked)."""
-    from tidal.native import cache_dir as native_cache
-    kernels = os.path.join(native_cache(), "kernels")
-    os.makedirs(kernels, exist_ok=True)
-    os.makedirs(tmp_path / "cache")
-    os.symlink(kernels, tmp_path / "cache" / "kernels")
-    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_file_equals_original_model(cache_dir, case):
     arch, overrides, gguf_arch, name, fmt, transformers_reads = CASES[case]

@@ -265,12 +265,6 @@ def _run(llm: LLM) -> tuple[list[list[int]], torch.Tensor]:
     return [list(o.outputs[0].token_ids) for o in outs], torch.tensor(logprobs)
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path
-
-
 @pytest.mark.parametrize("fmt,mixed,untied", [("Q8_0", False, True), ("Q4_0", False, False), ("Q4_1", False, True),
                                               ("Q4_1", True, True)])
 def test_tiny_gguf_quantized_equals_dequantized_load(cache_dir, fmt, mixed, untied):

@@ -97,21 +97,19 @@ def test_native_decoder_with_qkv_bias_and_batch_invariance(qwen2, invariant):
 
 @pytest.mark.parametrize("activations", ["float", "q8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decoder_on_gguf_blocks(tmp_path, monkeypatch, dtype, activations):
-    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+def test_native_decoder_on_gguf_blocks(cache_dir, monkeypatch, dtype, activations):
     monkeypatch.setenv("TIDAL_GGUF_ACTIVATIONS", activations)  # q8: the int8-activation decode kernel
-    path = write_tiny_gguf(str(tmp_path / "tiny.gguf"), "Q4_1")
+    path = write_tiny_gguf(str(cache_dir / "tiny.gguf"), "Q4_1")
     llm = LLM(path, quantization="gguf", dtype=dtype, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
     # bf16 activations on blocks past the decode kernel's rows need AVX-512 BF16 (the driver's GEMM refuses
     # elsewhere and those steps keep the Python layers): this batch of 8 runs natively only there
     _native_equals_python(llm, _prompts(VOCAB), expect_native=dtype == "float32" or cpu_isa() == "avx512_bf16")
 
 
-def test_layers_the_driver_cannot_call_take_the_python_path(tmp_path, monkeypatch):
+def test_layers_the_driver_cannot_call_take_the_python_path(cache_dir, monkeypatch):
     """A GGUF file whose fused gate/up mixes formats (a layer held in two parts) keeps the Python layers,
     and TIDAL_NATIVE_DECODER=0 turns the driver off."""
-    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tiny_gguf(str(tmp_path / "mixed.gguf"), "Q4_1", mixed=True)
+    path = write_tiny_gguf(str(cache_dir / "mixed.gguf"), "Q4_1", mixed=True)
     llm = LLM(path, quantization="gguf", dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
     decoder = _decoder(llm)
     assert decoder is not None
