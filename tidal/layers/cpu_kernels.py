@@ -302,7 +302,7 @@ def skinny_linear_ordered(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """skinny_linear in bf16_linear's summation order (1 to SKINNY_MAX_ROWS rows, AVX-512 BF16): a row's
     result is bitwise the one bf16_linear gives it in any batch. None when it does not apply."""
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or (bias is not None and bias.dtype != torch.bfloat16)):
+            or (bias is not None and bias.dtype != torch.bfloat16) or not bf16_gemm_available()):
         return None
     return _gemm("tidal_skinny_gemm_bf16_ordered", x, weight, bias, torch.bfloat16)
 
@@ -342,15 +342,19 @@ def unpack_bf16_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return unpack_bf16_rows(packed, torch.arange(n, device=packed.device), k)
 
 
+def bf16_gemm_available() -> bool:
+    """Whether gemm.cpp's bf16-activation kernels (VDPBF16PS: tidal_gemm_bf16, its ordered skinny and packed
+    forms) run here: an AVX-512 BF16 build. Elsewhere callers skip them rather than pay a call that fails."""
+    return _GEMM_LIB.get() is not None and cpu_isa() == "avx512_bf16"
+
+
 def packed_gemm_available(act_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether a packed kernel for activations of act_dtype runs on this CPU: bf16 (tidal_gemm_bf16_packed)
     on an AVX-512 BF16 build of gemm.cpp; fp32 (tidal_linear_f32_bf16_packed) on any vector build (AVX2 and
     up)."""
-    if _GEMM_LIB.get() is None:
-        return False
     if act_dtype == torch.bfloat16:
-        return cpu_isa() == "avx512_bf16"
-    return act_dtype == torch.float32 and cpu_isa() != "generic"
+        return bf16_gemm_available()
+    return act_dtype == torch.float32 and _GEMM_LIB.get() is not None and cpu_isa() != "generic"
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
@@ -428,6 +432,6 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     weight (VDPBF16PS; AVX-512 BF16 builds only). A row's result does not depend on the other rows.
     None when it does not apply (callers fall back to F.linear)."""
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
-            or (bias is not None and bias.dtype != torch.bfloat16)):
+            or (bias is not None and bias.dtype != torch.bfloat16) or not bf16_gemm_available()):
         return None
     return _gemm("tidal_gemm_bf16", x, weight, bias, torch.bfloat16)
