@@ -422,7 +422,8 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, rows_fn: int, fmt: int, n
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [M, K] @ weight[N, K]^T (+ bias) for M <= SKINNY_MAX_ROWS, bf16 on CPU; None when it does not
     apply (callers fall back to the blocked kernel)."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != torch.bfloat16)):
         return None
     return _gemm("tidal_skinny_gemm_bf16", x, weight, bias, torch.bfloat16)
 

@@ -25,6 +25,7 @@ from tidal.forward_context import batch_invariant, skinny_gemm_allowed
 from tidal.layers import triton_utils
 from tidal.layers.cpu_kernels import (
     SKINNY_MAX_ROWS,
+    bf16_gemm_available,
     bf16_linear,
     linear_f32,
     linear_f32_bf16w,
@@ -120,7 +121,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     depend on the number of rows (docs/batch_invariance.md).
     - bf16 with AVX-512 BF16: bf16_linear's order for any number of rows (1 to 4 rows: the skinny kernel
       written in that order, which still streams the weights once);
-    - bf16 without it: widened to fp32, the bf16-weight kernel (fixed order), rounded to bf16;
+    - bf16 without it: widened to fp32, the bf16-weight kernel (fixed order), rounded to bf16 (1 to
+      SKINNY_MAX_ROWS rows: all three in one native call, tidal_skinny_gemm_bf16's AVX2 path);
     - fp32: the native fp32 kernel of the same fixed order (torch's GEMM picks kernels by shape);
     - CUDA: the Triton GEMM of fixed tiles (triton_kernels.invariant_linear).
     Elsewhere (fp16 on a CPU; no native kernels, no triton) F.linear, which is not invariant."""
@@ -130,10 +132,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     x2 = x.reshape(-1, shape[-1])
     out = None
     if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16:
-        if x2.shape[0] <= SKINNY_MAX_ROWS:
-            out = skinny_linear_ordered(x2, weight, bias)
-        if out is None:
-            out = bf16_linear(x2, weight, bias)
+        if bf16_gemm_available():
+            if x2.shape[0] <= SKINNY_MAX_ROWS:
+                out = skinny_linear_ordered(x2, weight, bias)
+            if out is None:
+                out = bf16_linear(x2, weight, bias)
+        elif x2.shape[0] <= SKINNY_MAX_ROWS:  # the same widening, kernel and rounding in one native call
+            out = skinny_linear(x2, weight, bias)
         if out is None:
             wide = linear_f32_bf16w(x2.float(), weight, None if bias is None else bias.float())
             out = None if wide is None else wide.to(torch.bfloat16)
