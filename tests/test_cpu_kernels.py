@@ -200,6 +200,23 @@ def test_bf16_weight_gemm_rows_do_not_depend_on_the_batch():
         assert torch.equal(cpu_kernels.linear_f32_bf16w(x[rows], w, bias), full[rows])
 
 
+
+def test_invariant_bf16_linear_rows_do_not_depend_on_the_batch(isa):
+    """Batch-invariant bf16 products with a bias: 1-4 rows (on AVX2 widened, multiplied and rounded in one
+    native call) and a batch of 70 give each row the same bits; without AVX-512 BF16 they are the fp32
+    bf16-weight kernel's rounded to bf16."""
+    from tidal.layers.linear import invariant_linear
+    torch.manual_seed(0)
+    x = torch.randn(70, 576).bfloat16()
+    w = torch.randn(960, 576).bfloat16()
+    bias = torch.randn(960).bfloat16()
+    full = invariant_linear(x, w, bias)
+    if isa != "avx512_bf16":
+        assert torch.equal(full, cpu_kernels.linear_f32_bf16w(x.float(), w, bias.float()).bfloat16())
+    for rows in (slice(5, 6), slice(10, 12), slice(0, 3), slice(20, 24), slice(30, 36)):
+        assert torch.equal(invariant_linear(x[rows], w, bias), full[rows])
+
+
 @pytest.mark.parametrize("k", [576, 577, 33])  # odd K: the last pair is (x_last, 0)
 def test_ordered_skinny_gemm_equals_the_blocked_gemm_bitwise(isa, k):
     """Batch-invariant mode: 1-4 rows through the skinny kernel written in the blocked kernel's order
