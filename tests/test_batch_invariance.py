@@ -168,16 +168,17 @@ def test_avx2_kernels_are_batch_invariant_too(tmp_path_factory, kind, dtype):
 
 
 @pytest.mark.parametrize("kind,dtype,n", [
-    ("smollm2", "bfloat16", 64), pytest.param("smollm2", "float32", 64, marks=pytest.mark.slow),
+    ("smollm2", "bfloat16", 32), pytest.param("smollm2", "bfloat16", 64, marks=pytest.mark.slow),
+    pytest.param("smollm2", "float32", 64, marks=pytest.mark.slow),
     *[(kind, dtype, 64) for kind in ("llama", "mixtral") for dtype in ("float32", "bfloat16")],
-    ("jamba", "bfloat16", 24), pytest.param("jamba", "bfloat16", 64, marks=pytest.mark.slow),
+    ("jamba", "bfloat16", 16), pytest.param("jamba", "bfloat16", 64, marks=pytest.mark.slow),
     pytest.param("jamba", "float32", 64, marks=pytest.mark.slow)])
 def test_64_prompts_logprobs_do_not_depend_on_the_batch(tmp_path_factory, kind, dtype, n):
     """64 prompts per model (greedy and seeded sampled mixed), each way of running them against one at a
-    time: the default model in bf16 and tiny Llama and Mixtral in both dtypes; tiny Jamba in bf16 with 24
-    of the prompts (all 64, and fp32, with -m slow: 83-118 s each on a Zen 3, 2 cores)."""
+    time: tiny Llama and Mixtral in both dtypes; the default model in bf16 with 32 of the prompts and tiny
+    Jamba in bf16 with 16 (all 64 of them, and fp32, with -m slow: 40-118 s each on a Zen 3, 2 cores)."""
     if kind == "smollm2":
-        path, engine, prompts = None, SMOLLM2_ENGINE, random_prompts(64, 3, 80, 49152, seed=11)
+        path, engine, prompts = None, SMOLLM2_ENGINE, random_prompts(64, 3, 80, 49152, seed=11)[:n]
         if dtype == "float32":  # the mode runs GGUF blocks with bf16 activations only: plain fp32 weights
             engine = {**engine, "quantization": "none"}
         elif not invariant_supported(torch.bfloat16):  # GGUF blocks in the mode need AVX-512 BF16 (a clear
