@@ -200,7 +200,6 @@ def test_bf16_weight_gemm_rows_do_not_depend_on_the_batch():
         assert torch.equal(cpu_kernels.linear_f32_bf16w(x[rows], w, bias), full[rows])
 
 
-
 def test_invariant_bf16_linear_rows_do_not_depend_on_the_batch(isa):
     """Batch-invariant bf16 products with a bias: 1-4 rows (on AVX2 widened, multiplied and rounded in one
     native call) and a batch of 70 give each row the same bits; without AVX-512 BF16 they are the fp32
