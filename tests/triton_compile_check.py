@@ -64,9 +64,8 @@ def variants():
                 "sin_ptr": "*fp32", "q_out_ptr": f"*{dt}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                 "slot_mapping_ptr": "*i64"},
                {"k_scale": "fp32", "v_scale": "fp32"},
-               dict(NUM_Q_HEADS=32, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, FP8_CACHE=cache == "u8",
-                    EMULATE_FP8_ROUNDING=False))
-
+               dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=64, KV_HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                    BLOCK_SIZE=16, FP8_CACHE=cache == "u8", EMULATE_FP8_ROUNDING=False))
 
     for dt in ("bf16", "fp16", "fp32"):  # batch-invariant mode's GEMM
         for bias in (False, True):

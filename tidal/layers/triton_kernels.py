@@ -75,40 +75,44 @@ def _rotary_write_kv_kernel(qk_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, q_ou
                             stride_table,
                             stride_k_b, stride_k_h, stride_k_d, stride_k_s,
                             stride_v_b, stride_v_h2, stride_v_s, stride_v_d,
-                            NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                            NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                            KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, FP8_CACHE: tl.constexpr, EMULATE_FP8_ROUNDING: tl.constexpr):
+    # one program per token, over all its heads ([heads, head_dim] tiles): q and k rows rotated together
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    ok = d < HEAD_DIM
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    in_dim = d < HEAD_DIM
+    ok = (h < NUM_Q_HEADS + NUM_KV_HEADS) & in_dim
     half: tl.constexpr = HEAD_DIM // 2
     pos = tl.load(positions_ptr + t)
     # NeoX layout: out = x * cos_full + swap_halves(x) * sin_signed (tables [max_position, HEAD_DIM], fp32)
-    x = tl.load(qk_ptr + t * stride_qk_t + h * stride_qk_h + d, mask=ok, other=0.0)
-    swapped = tl.load(qk_ptr + t * stride_qk_t + h * stride_qk_h + (d + half) % HEAD_DIM, mask=ok, other=0.0)
-    cos = tl.load(cos_ptr + pos * stride_table + d, mask=ok, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_table + d, mask=ok, other=0.0)
+    row = qk_ptr + t * stride_qk_t + h * stride_qk_h
+    x = tl.load(row + d, mask=ok, other=0.0)
+    swapped = tl.load(row + (d + half) % HEAD_DIM, mask=ok, other=0.0)
+    cos = tl.load(cos_ptr + pos * stride_table + d, mask=in_dim, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_table + d, mask=in_dim, other=0.0)
     rotated = x.to(tl.float32) * cos + swapped.to(tl.float32) * sin
-    if h < NUM_Q_HEADS:
-        tl.store(q_out_ptr + t * stride_qo_t + h * stride_qo_h + d, rotated.to(q_out_ptr.dtype.element_ty),
-                 mask=ok)
-    else:
-        kv_head = h - NUM_Q_HEADS
-        slot = tl.load(slot_mapping_ptr + t)
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
-        # the value the cache holds is the rotated k rounded to the activations' dtype, as torch's path stores it
-        k = rotated.to(qk_ptr.dtype.element_ty)
-        v = tl.load(v_ptr + t * stride_v_t + kv_head * stride_v_h + d, mask=ok, other=0.0)
-        if FP8_CACHE:
-            k = _to_e4m3_bytes(k.to(tl.float32) / k_scale, EMULATE_FP8_ROUNDING)
-            v = _to_e4m3_bytes(v.to(tl.float32) / v_scale, EMULATE_FP8_ROUNDING)
-        tl.store(k_cache_ptr + block * stride_k_b + kv_head * stride_k_h + d * stride_k_d + offset * stride_k_s,
-                 k.to(k_cache_ptr.dtype.element_ty), mask=ok)
-        tl.store(v_cache_ptr + block * stride_v_b + kv_head * stride_v_h2 + offset * stride_v_s + d * stride_v_d,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=ok)
-
-
+    is_q = h < NUM_Q_HEADS
+    tl.store(q_out_ptr + t * stride_qo_t + h * stride_qo_h + d, rotated.to(q_out_ptr.dtype.element_ty),
+             mask=ok & is_q)
+    slot = tl.load(slot_mapping_ptr + t)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    # the value the cache holds is the rotated k rounded to the activations' dtype, as torch's path stores it
+    k = rotated.to(qk_ptr.dtype.element_ty)
+    if FP8_CACHE:
+        k = _to_e4m3_bytes(k.to(tl.float32) / k_scale, EMULATE_FP8_ROUNDING)
+    kv_head = tl.where(is_q, 0, h - NUM_Q_HEADS)  # (q rows: masked off)
+    tl.store(k_cache_ptr + block * stride_k_b + kv_head * stride_k_h + d * stride_k_d + offset * stride_k_s,
+             k.to(k_cache_ptr.dtype.element_ty), mask=ok & (h >= NUM_Q_HEADS))
+    hv = tl.arange(0, KV_HEADS_PAD)[:, None]
+    ok_v = (hv < NUM_KV_HEADS) & in_dim
+    v = tl.load(v_ptr + t * stride_v_t + hv * stride_v_h + d, mask=ok_v, other=0.0)
+    if FP8_CACHE:
+        v = _to_e4m3_bytes(v.to(tl.float32) / v_scale, EMULATE_FP8_ROUNDING)
+    tl.store(v_cache_ptr + block * stride_v_b + hv * stride_v_h2 + offset * stride_v_s + d * stride_v_d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=ok_v)
 
 
 # Batch-invariant mode's tiles: one size whatever the shape (no split-K, no autotuning), so every output
@@ -209,10 +213,11 @@ def rotary_write_kv(positions: torch.Tensor, qk: torch.Tensor, v: torch.Tensor, 
     fp8 = k_cache.dtype == FP8
     k_store, v_store = storage(k_cache), storage(v_cache)
     if T:
-        _rotary_write_kv_kernel[(T, H)](
+        _rotary_write_kv_kernel[(T,)](
             qk, v, positions, cos_full, sin_signed, q_out, k_store, v_store, slot_mapping,
             k_scale, v_scale, qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), cos_full.stride(0), *k_store.stride(), *v_store.stride(),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D),
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=H - num_q_heads, HEADS_PAD=triton.next_power_of_2(H),
+            KV_HEADS_PAD=triton.next_power_of_2(H - num_q_heads), HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D),
             BLOCK_SIZE=v_cache.shape[2], FP8_CACHE=fp8, EMULATE_FP8_ROUNDING=triton_interpreting())
     return q_out
