@@ -223,14 +223,14 @@ def test_generate_with_tokenizer_from_another_folder(tmp_path):
     """A model folder without tokenizer files takes text prompts with --tokenizer (here the default
     model's tokenizer, from its GGUF conversion)."""
     from tests.helpers import save_tiny_model, tiny_config
-    from tidal.loader.gguf_loader import cached_conversion
+    from tidal.loader.gguf_loader import cached_metadata
     from tidal.loader.loader import default_model_path
     model = save_tiny_model(str(tmp_path / "model"), tiny_config("llama", vocab_size=49152))
     args = ("generate", "The tide", "--model", model, "--max-tokens", "4", "--temperature", "0", "--show-stats",
             "--kv-cache-memory-bytes", "4194304")
     proc = tidal_cli(*args)
     assert proc.returncode == 2 and "no tokenizer" in proc.stderr  # text prompts need a tokenizer
-    proc = tidal_cli(*args, "--tokenizer", cached_conversion(default_model_path()))
+    proc = tidal_cli(*args, "--tokenizer", cached_metadata(default_model_path()))
     assert proc.returncode == 0, proc.stderr
     assert "4 tokens" in proc.stderr and proc.stdout.strip()
 

@@ -243,6 +243,26 @@ def test_metadata_read_from_the_file(cache_dir):
     assert llm.llm_engine.max_model_len == 8192  # not clamped to MistralConfig's default window of 4096
 
 
+def test_a_gguf_tokenizer_is_read_from_its_first_conversion_afterwards(cache_dir, monkeypatch):
+    """`--tokenizer file.gguf` (load_gguf_tokenizer): transformers' converter runs once, into the metadata
+    folder the engine reads; later loads read its files and give the same tokenizer."""
+    from tidal.loader import gguf_loader
+    model = make_hf_model("llama", {}, fp16_exact=False)
+    path = write_like_llama_cpp(model, str(cache_dir / "chat.gguf"), "llama", "Tiny Chat", "F32", tokenizer=True,
+                                eos=0)
+    converted = gguf_loader.load_gguf_tokenizer(path)
+    assert os.path.exists(os.path.join(gguf_loader.cached_metadata(path), "tokenizer_config.json"))
+    monkeypatch.setattr(gguf_loader, "_convert_gguf_tokenizer", lambda *a, **k: pytest.fail("converted again"))
+    read = gguf_loader.load_gguf_tokenizer(path)
+    conversation = [{"role": "user", "content": "hi there"}]
+    for tok in (converted, read):
+        assert tok.chat_template == CHAT_TEMPLATE
+        assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|endoftext|>")
+    assert (read.apply_chat_template(conversation, add_generation_prompt=True)
+            == converted.apply_chat_template(conversation, add_generation_prompt=True))
+    assert read.encode("hi there, the tide") == converted.encode("hi there, the tide")
+
+
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_tokenizer_chat_template_and_end_tokens_from_the_file(cache_dir, quantization):
     """A file with a tokenizer: its chat template, BOS and EOS reach the engine's tokenizer (transformers'
