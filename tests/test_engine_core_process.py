@@ -9,6 +9,8 @@ import contextlib
 import operator
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -188,6 +190,28 @@ def test_core_stops_by_itself_when_the_server_process_is_killed(tiny_model_dir, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("argv", [["serve", "{missing}"], ["serve", "--max-num-seqs", "many"]])
+def test_a_refused_serve_command_leaves_no_core_process_behind(tmp_path, argv):
+    """`tidal serve` starts its core process before it parses its arguments (tidal/engine/core_launch.py):
+    a command refused after that (a model path that does not exist; a flag argparse rejects) stops it."""
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    argv = [a.format(missing=tmp_path / "missing") for a in argv]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:  # a file, not a pipe, which a leftover child would hold open past the exit
+        code = subprocess.run([sys.executable, "-m", "tidal.entrypoints.cli", *argv], stdout=out, stderr=out,
+                              timeout=TIMEOUT, env=dict(os.environ, TIDAL_TEST_MARKER=marker)).returncode
+    text = log.read_text()
+    assert code in (1, 2) and ("does not exist" in text or "invalid int value" in text), text
+    assert "Traceback" not in text, text
+
+    def marked(p):
+        try:
+            return p.environ().get("TIDAL_TEST_MARKER") == marker
+        except psutil.Error:  # gone, or not ours
+            return False
+    assert not [p.pid for p in psutil.process_iter() if marked(p)], "a core process outlived the refused command"
 
 
 def test_tensor_parallel_workers_run_under_the_core_and_go_with_it(tiny_model_dir):

@@ -1,14 +1,35 @@
-"""Tidal: an LLM inference and serving engine with a paged KV cache and continuous batching."""
+"""Tidal: an LLM inference and serving engine with a paged KV cache and continuous batching.
+
+The public names are imported on first use (PEP 562), so `import tidal` stays light: the command line
+parses its arguments, and `tidal serve` starts its engine-core process, before torch is imported."""
+import importlib as _importlib
 import logging as _logging
 
-from tidal.entrypoints.llm import LLM
-from tidal.outputs import CompletionOutput, Logprob, RequestOutput
-from tidal.sampling_params import SamplingParams
-from tidal.structured_outputs import GuidedDecodingParams, StructuredOutputsParams
-
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "__version__"]
+_EXPORTS = {
+    "LLM": "tidal.entrypoints.llm",
+    "SamplingParams": "tidal.sampling_params",
+    "StructuredOutputsParams": "tidal.structured_outputs",
+    "GuidedDecodingParams": "tidal.structured_outputs",
+    "RequestOutput": "tidal.outputs",
+    "CompletionOutput": "tidal.outputs",
+    "Logprob": "tidal.outputs",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tidal' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # looked up here from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 _logger = _logging.getLogger("tidal")
 if not _logger.handlers:

@@ -41,6 +41,7 @@ import zmq
 
 from tidal.config import EngineConfig
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError, _resolve
+from tidal.engine.core_launch import start_core_process
 from tidal.engine.llm_engine import LLMEngine, StepError
 from tidal.engine.stats import EngineStats
 from tidal.outputs import RequestOutput
@@ -263,7 +264,8 @@ class _EngineView:
 
 class CoreProcessAsyncLLM(AsyncLLM):
     def __init__(self, config: EngineConfig, step_hook=None, max_waiting_requests: int | None = None,
-                 stats_log_interval: float | None = None, startup_timeout: float = 900.0) -> None:
+                 stats_log_interval: float | None = None, startup_timeout: float = 900.0,
+                 process: subprocess.Popen | None = None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 (or None: unbounded), got {max_waiting_requests}")
         self.step_hook = step_hook
@@ -287,8 +289,7 @@ class CoreProcessAsyncLLM(AsyncLLM):
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.RCVHWM, 0)
         self._out.bind(out_addr)
-        # a plain `python -m` child (not multiprocessing's spawn, which re-runs the parent's main script)
-        self._proc = subprocess.Popen([sys.executable, "-m", "tidal.engine.core_process"], stdin=subprocess.PIPE)
+        self._proc = process if process is not None else start_core_process()
         with self._proc.stdin:
             self._proc.stdin.write(pickle.dumps((config, in_addr, out_addr, stats_log_interval, os.getpid())))
         try:
@@ -437,4 +438,11 @@ class CoreProcessAsyncLLM(AsyncLLM):
 
 
 if __name__ == "__main__":
-    run_core(*pickle.load(sys.stdin.buffer))
+    # before the config arrives (tidal/engine/core_launch.py): what unpickling a model's config will import
+    import transformers.configuration_utils  # noqa: F401
+    import transformers.utils.type_validators  # noqa: F401
+    try:
+        arguments = pickle.load(sys.stdin.buffer)
+    except EOFError:  # the server stopped before it had a config to send
+        sys.exit(1)
+    run_core(*arguments)

@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from tidal.engine import core_launch
+
 # subcommand -> module with `register(subparsers)`; each module adds its parser and sets `func`
 SUBCOMMANDS = [
     "tidal.entrypoints.cli_generate",   # generate, chat
@@ -36,7 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `tidal serve`: its engine-core process starts now, importing while this process imports and parses
+    core_process = core_launch.start_core_process() if core_launch.wants_core_process(argv) else None
+    try:
+        args = build_parser().parse_args(argv)
+    except BaseException:
+        core_launch.stop_unused(core_process)
+        raise
+    if core_process is not None:
+        if getattr(args, "engine_core_process", False):
+            args.core_process = core_process
+        else:
+            core_launch.stop_unused(core_process)
     return args.func(args) or 0
 
 

@@ -127,24 +127,34 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    _validate(args)
-    import uvicorn
+    from tidal.engine.core_launch import start_core_process, stop_unused
 
-    from tidal.engine.async_llm import AsyncLLM
-    from tidal.engine.llm_engine import LLMEngine
-    from tidal.entrypoints.openai.api_server import build_app
-    from tidal.metrics import ServerMetrics
-
+    # the core process (started by `tidal`'s main before its imports, else here) imports while this one works
+    process = getattr(args, "core_process", None)
     try:
+        _validate(args)
+        import uvicorn
+
+        from tidal.engine.async_llm import AsyncLLM
+        from tidal.engine.llm_engine import LLMEngine
+        from tidal.entrypoints.openai.api_server import build_app
+        from tidal.metrics import ServerMetrics
+
+        if args.engine_core_process and process is None:
+            process = start_core_process()
         config = engine_config_from_args(args, args.model)
         if args.engine_core_process:
             async_llm = AsyncLLM.from_config(config, max_waiting_requests=args.max_waiting_requests,
-                                             core_process=True, stats_log_interval=args.stats_log_interval)
+                                             core_process=True, stats_log_interval=args.stats_log_interval,
+                                             process=process)
             engine = async_llm.engine  # the server process's view of it
         else:
             engine = LLMEngine(config)
-    except ValueError as e:  # a bad model path or flag: say so in one line, not a traceback
-        raise SystemExit(f"tidal serve: {e}") from e
+    except BaseException as e:
+        stop_unused(process)  # (one that took its config is stopped by CoreProcessAsyncLLM on a failure)
+        if isinstance(e, ValueError):  # a bad model path or flag: say so in one line, not a traceback
+            raise SystemExit(f"tidal serve: {e}") from e
+        raise
     name = args.served_model_name or engine.model_name
     if engine.stats_logger is not None:  # None under --disable-log-stats
         engine.stats_logger.interval_s = args.stats_log_interval
