@@ -67,6 +67,10 @@ def core_serving(model_dir: str, **kwargs):
         assert _gone(async_llm.core_pid), "the engine core process outlived its shutdown"
 
 
+def _worker_pids(engine) -> list[int]:
+    return list(engine.executor.pids)
+
+
 def _in_engine(async_llm, fn):
     return asyncio.run(asyncio.wait_for(async_llm.call_in_engine(fn), TIMEOUT))
 
@@ -222,8 +226,8 @@ def test_tensor_parallel_workers_run_under_the_core_and_go_with_it(tiny_model_di
     async_llm = AsyncLLM.from_config(config, core_process=True)
     try:
         core = psutil.Process(async_llm.core_pid)
-        workers = [p for p in core.children() if "spawn_main" in " ".join(p.cmdline())]
-        assert len(workers) == 2
+        workers = [psutil.Process(pid) for pid in _in_engine(async_llm, _worker_pids)]
+        assert len(workers) == 2 and all(core in w.parents() for w in workers)
 
         async def main():
             params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -272,7 +272,9 @@ def test_stopped_worker_is_reported_within_seconds(tp2):
 def test_worker_that_does_not_answer_is_reported_after_the_timeout(tmp_path_factory, monkeypatch):
     from tidal.worker import executor
     monkeypatch.setenv("TIDAL_EXECUTE_TIMEOUT_S", "1")
-    # starting a worker (python, torch, the shard) takes longer than 1 s: it does not answer in time
+    # a spawned worker (python, torch, the shard; not forked from the warm forkserver) takes longer than 1 s
+    # to start: it does not answer in time
+    monkeypatch.setattr(executor, "_worker_context", lambda: torch.multiprocessing.get_context("spawn"))
     monkeypatch.setattr(executor, "_INIT_TIMEOUT_S", 1.0)
     t0 = time.monotonic()
     with pytest.raises(WorkerError, match=r"did not answer init within 1 s \(rank 0: \w+"):
@@ -403,8 +405,11 @@ def test_server_exits_1_within_seconds_when_a_worker_dies_leaving_no_process_or_
                 pass
             assert time.monotonic() < deadline, f"server not ready:\n{log_path.read_text()[-4000:]}"
             time.sleep(0.25)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+        # the workers: forked by the core's forkserver (tidal/worker/executor.py), whose only children they are
+        forkservers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "multiprocessing.forkserver" in " ".join(p.cmdline()) and p.children()]
+        assert len(forkservers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
+        workers = forkservers[0].children()
         assert len(workers) == 2, [p.cmdline() for p in workers]
         pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         client = threading.Thread(target=stream)
