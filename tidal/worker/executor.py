@@ -348,7 +348,7 @@ class MultiprocExecutor(Executor):
                     p = self.procs[rank]
                     p.join(1.0)
                     hint = ("; a script that starts an LLM must do so under `if __name__ == \"__main__\":` "
-                            "(workers are spawned and re-import the main module)") if method == "init" else ""
+                            "(each worker re-imports the main module)") if method == "init" else ""
                     self._fail(f"worker rank {rank} (pid {p.pid}) died while running {method} "
                                f"(exit code {p.exitcode}){hint}")
                 if status == "error":
