@@ -9,6 +9,10 @@ from tidal.device import resolve_device
 # (Python) tokenizer, refused at load time where transformers has none for the model
 TOKENIZER_MODES = ("auto", "hf", "slow")
 
+# what a process that receives a pickled EngineConfig (its model's transformers config inside) will import to
+# unpickle it, ~3 s: the engine-core and worker processes import them before their config arrives
+HF_CONFIG_MODULES = ("transformers.configuration_utils", "transformers.utils.type_validators")
+
 
 @dataclass
 class EngineConfig:

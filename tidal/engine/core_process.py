@@ -438,9 +438,11 @@ class CoreProcessAsyncLLM(AsyncLLM):
 
 
 if __name__ == "__main__":
-    # before the config arrives (tidal/engine/core_launch.py): what unpickling a model's config will import
-    import transformers.configuration_utils  # noqa: F401
-    import transformers.utils.type_validators  # noqa: F401
+    import importlib
+
+    from tidal.config import HF_CONFIG_MODULES
+    for module in HF_CONFIG_MODULES:  # before the config arrives (tidal/engine/core_launch.py)
+        importlib.import_module(module)
     try:
         arguments = pickle.load(sys.stdin.buffer)
     except EOFError:  # the server stopped before it had a config to send

@@ -26,7 +26,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from tidal.config import EngineConfig
+from tidal.config import HF_CONFIG_MODULES, EngineConfig
 from tidal.worker.memory import cache_budget_bytes
 from tidal.worker.model_runner import ModelRunner, RunnerOutput
 
@@ -199,7 +199,7 @@ def _threads_per_worker(world: int) -> int | None:
 
 # -- multiprocessing -----------------------------------------------------------------------------
 # what a worker imports, loaded once into the forkserver its processes are forked from
-_FORKSERVER_PRELOAD = ["tidal.worker.worker", "transformers.configuration_utils", "transformers.utils.type_validators"]
+_FORKSERVER_PRELOAD = ["tidal.worker.worker", *HF_CONFIG_MODULES]
 
 
 def _worker_context():
