@@ -355,6 +355,12 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
   const __m512 sv = _mm512_set1_ps(scale);
   float tmp[16];
   const int64_t chunk_bytes = D * bs * 2;
+  // K blocks are asked for two steps ahead (into L2); the range's first blocks, which no step asks for,
+  // all at once before the first step, as scores_vec does (128 decodes from memory on a Zen 4: a median
+  // 22.2 against 21.2 GB/s over 14 alternating rounds, with four steps ahead and no first blocks)
+  constexpr int64_t ahead = 2 * TV;
+  for (int64_t t0 = t_begin; t0 < std::min(t_end, t_begin + ahead * bs); t0 += bs)
+    prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs] * Hk + h) * D * bs), chunk_bytes);
   for (int64_t start = t_begin; start < t_end; start += STEP) {
     const uint16_t* base[TV];
     for (int v = 0; v < TV; ++v) {
@@ -363,7 +369,6 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
       const int64_t blk = table[t0 / bs], off = t0 % bs;
       base[v] = k_cache + (blk * Hk + h) * D * bs + off;
       if (off == 0) {
-        constexpr int64_t ahead = 4 * TV;  // as in scores_vec: four steps ahead
         if (t0 + ahead * bs < t_end)
           prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs + ahead] * Hk + h) * D * bs),
                                       chunk_bytes);
