@@ -492,15 +492,14 @@ static inline void store_2x16x8(const __m512* lo, const __m512* hi, const uint16
 }
 
 // MV packed groups of 16 rows of x (xg + v * gstride, the first at row m0) against NR weight rows: MV * NR
-// accumulators, one per (group, weight row), each lane one output. The weight rows are w + i * K in the
-// plain layout, or (PK) lanes i of a packed tile, pair p of row i at w32[p * 16 + i]. prefetch (or null):
+// accumulators, one per (group, weight row), each lane one output. The weight rows are w + i * K (plain
+// rows). prefetch (or null):
 // K / 2 cache lines to bring into L2 meanwhile, one per pair (the next tile's weights).
-template <int MV, int NR, bool PK>
+template <int MV, int NR>
 static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const void* wv_, int64_t K,
                              const uint16_t* bias, uint16_t* out, int64_t M, int64_t N, int64_t m0, int64_t n0,
                              int nn, const char* prefetch) {
   const uint16_t* w = static_cast<const uint16_t*>(wv_);
-  const uint32_t* w32 = static_cast<const uint32_t*>(wv_);
   __m512 acc[MV][NR];
   for (int v = 0; v < MV; ++v)
     for (int i = 0; i < NR; ++i) acc[v][i] = _mm512_setzero_ps();
@@ -511,15 +510,14 @@ static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const void* wv
     for (int v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xg + v * gstride + p * 16);
     for (int i = 0; i < NR; ++i) {
       int32_t wp;
-      if constexpr (PK) wp = (int32_t)w32[p * 16 + i];
-      else std::memcpy(&wp, w + i * K + 2 * p, 4);
+      std::memcpy(&wp, w + i * K + 2 * p, 4);
       const __m512bh wv = (__m512bh)_mm512_set1_epi32(wp);
       for (int v = 0; v < MV; ++v) acc[v][i] = _mm512_dpbf16_ps(acc[v][i], xv[v], wv);
     }
   }
   if (K % 2) {  // x's half of the last pair is zero; so is the weight's, so that no inf or NaN comes in
     for (int i = 0; i < NR; ++i) {
-      const __m512bh wv = (__m512bh)_mm512_set1_epi32(PK ? (int32_t)w32[pairs * 16 + i] : w[i * K + K - 1]);
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(w[i * K + K - 1]);
       for (int v = 0; v < MV; ++v)
         acc[v][i] = _mm512_dpbf16_ps(acc[v][i], (__m512bh)_mm512_loadu_si512(xg + v * gstride + pairs * 16), wv);
     }
@@ -534,12 +532,11 @@ static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const void* wv
   }
 }
 
-// Where gemm_bf16's weight tiles (16 rows each) come from: the plain [N, K] rows (PLAIN), the packed
-// layout (PACKED: lanes of 16 rows per pair, tidal.loader.pack_bf16_weights), or rows of another format
+// Where gemm_bf16's weight tiles (16 rows each) come from: the plain [N, K] rows (PLAIN), or rows of another format
 // turned into plain bf16 rows by a function of a sibling library, one tile at a time into a per-thread
 // buffer (ROWS: GGUF blocks, gguf_gemm.cpp's tidal_gguf_rows_bf16), so a quantized weight is read once
 // per panel of x and never held whole in bf16.
-enum class Tiles { PLAIN, PACKED, ROWS };
+enum class Tiles { PLAIN, ROWS };
 
 template <Tiles T>
 static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, uint16_t* out, int64_t M,
@@ -548,10 +545,8 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
   // rows of x at a time against each half (16 accumulators); a last single group against all 16
   // (again 16 accumulators, enough to hide VDPBF16PS's latency).
   constexpr int NT = 16;
-  constexpr bool PK = T == Tiles::PACKED;
   const int64_t K2p = ((K + 1) / 2 + 15) / 16 * 16;
   const int64_t gstride = K2p * 16;
-  const int64_t K2p16 = (K + 1) / 2 * 16;  // a packed weight tile: 16 lanes of every pair
   // groups of 16 rows per panel: ~384 KiB of packed x, in L2 while every weight tile passes over it
   const int64_t groups = (M + 15) / 16;
   const int64_t panel = std::max<int64_t>(2, (384 * 1024) / (gstride * 4) / 2 * 2);
@@ -571,34 +566,32 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t n0 = t * NT;
         const int nn = (int)std::min<int64_t>(NT, N - n0);
-        // this tile's weights: the plain rows (the last tile's padded with zero rows to NT), the packed
-        // tile (already padded), whose 8-row halves are lanes 0-7 and 8-15, or the rows made here
+        // this tile's weights: the plain rows (the last tile's padded with zero rows to NT) or the rows
+        // made here
         const uint16_t* wt = static_cast<const uint16_t*>(w) + n0 * K;
-        const uint32_t* wtp = static_cast<const uint32_t*>(w) + t * K2p16;
         if (T == Tiles::ROWS) {
           if (nn < NT) std::fill(tile_rows.begin() + nn * K, tile_rows.end(), 0);
           src.fn(w, src.format, n0, nn, K, tile_rows.data());
           wt = tile_rows.data();
-        } else if (!PK && nn < NT) {
+        } else if (nn < NT) {
           tile_rows.assign(NT * K, 0);
           std::memcpy(tile_rows.data(), wt, nn * K * 2);
           wt = tile_rows.data();
         }
-        auto half_rows = [&](int h) -> const void* { return PK ? (const void*)(wtp + 8 * h) : (const void*)(wt + 8 * h * K); };
+        auto half_rows = [&](int h) -> const void* { return wt + 8 * h * K; };
         // the next tile's weights (16 * K bf16: K / 2 lines) come from memory while this one computes:
         // what keeps a weight too large for the caches (an LM head) streaming at small M
-        const char* next = T == Tiles::ROWS || n0 + 2 * NT > N ? nullptr
-                           : PK ? reinterpret_cast<const char*>(wtp + K2p16)
-                                : reinterpret_cast<const char*>(static_cast<const uint16_t*>(w) + (n0 + NT) * K);
+        const char* next = T == Tiles::ROWS || n0 + 2 * NT > N
+                               ? nullptr : reinterpret_cast<const char*>(static_cast<const uint16_t*>(w) + (n0 + NT) * K);
         const int64_t pairs_end = ng / 2 * 2;
         for (int half = 0; half < 2; ++half) {
           const int nh = std::max(0, std::min(8, nn - 8 * half));
           for (int64_t g = 0; g < pairs_end && nh > 0; g += 2, next = nullptr)
-            tile_bf16<2, 8, PK>(xp + g * gstride, gstride, half_rows(half), K, bias, out, M, N, (g0 + g) * 16,
+            tile_bf16<2, 8>(xp + g * gstride, gstride, half_rows(half), K, bias, out, M, N, (g0 + g) * 16,
                                 n0 + 8 * half, nh, next);
         }
         if (ng % 2)
-          tile_bf16<1, 16, PK>(xp + pairs_end * gstride, gstride, half_rows(0), K, bias, out, M, N,
+          tile_bf16<1, 16>(xp + pairs_end * gstride, gstride, half_rows(0), K, bias, out, M, N,
                                (g0 + pairs_end) * 16, n0, nn, next);
       }
     }
@@ -780,6 +773,97 @@ static void skinny_bf16_packed(const uint16_t* x, const uint32_t* wpk, const uin
     }
   }
 }
+
+// ---- more rows over the packed layout: the lanes over weight columns ----
+// MR rows of x against NV packed tiles (16 weight rows each): MR * NV accumulators, lane i of acc[m][j]
+// the output (m0 + m, 16 (t0 + j) + i). Each pair of a row of x is broadcast straight from x (no copy of x
+// in another layout) against the NV tiles' 64-byte vectors of that pair, so every output is one lane
+// accumulating the K pairs in order from zero (an odd K's last pair (x_last, 0) x (w_last, 0)): the order
+// of gemm_bf16 and of skinny_bf16_packed, and VDPBF16PS's two products per lane are the same whichever
+// operand is broadcast, so the bits are theirs. Rows from `rows` on repeat the last row and are not
+// stored. prefetch (or null): NV * pairs cache lines to bring into L2 meanwhile (the next tiles).
+template <int MR, int NV>
+static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows, const uint32_t* w0,
+                             int64_t tstride, const uint16_t* bias, uint16_t* out, int64_t N, int64_t t0,
+                             const char* prefetch) {
+  const int64_t full = K / 2;
+  const uint16_t* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + std::min(m, rows - 1)) * K;
+  __m512 acc[MR][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < full; ++p) {
+    if (prefetch) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) _mm_prefetch(prefetch + (p * NV + j) * 64, _MM_HINT_T1);
+    }
+    __m512bh wv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w0 + j * tstride + p * 16);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      int32_t xp;
+      std::memcpy(&xp, xr[m] + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+    }
+  }
+  if (K % 2) {
+    __m512bh wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w0 + j * tstride + full * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int32_t)xr[m][K - 1]);
+      for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) {
+    const int64_t n0 = (t0 + j) * 16;
+    const __mmask16 nmask = (__mmask16)((1u << std::min<int64_t>(16, N - n0)) - 1);
+    const __m512 b = load_bias(bias, n0, nmask);
+    for (int m = 0; m < rows; ++m) store_row(acc[m][j], b, nmask, out + (m0 + m) * N + n0);
+  }
+}
+
+// gemm_bf16 over the packed layout for any M: blocks of rows of x small enough to stay in L2 (~192 KiB),
+// and in each block every group of NV tiles (their K pairs in L2, handed to the threads statically, the
+// same groups to a thread in every block, no barrier between blocks) against the block's panels of MR rows.
+// The first panel of a group asks for the next group's tiles, so a weight too large for the caches
+// streams from memory while the block computes.
+// gemm_bf16 over the packed layout for any M: blocks of rows of x of ~192 KiB (in L2), and in each block
+// every group of NV tiles (their K pairs in L2; the groups handed to the threads statically, the same
+// groups to a thread in every block, no barrier between blocks) against the block's panels of MR rows.
+// The first panel of a group asks for the next group's tiles, so a weight too large for the caches (an
+// LM head) streams from memory while the block computes. Unlike gemm_bf16 on plain rows, x is read where
+// it is: no copy of it in another layout (docs/cpu.md, "The bf16 products").
+static void gemm_bf16_cols(const uint16_t* x, const uint32_t* wpk, const uint16_t* bias, uint16_t* out, int64_t M,
+                           int64_t N, int64_t K, int num_threads) {
+  constexpr int MR = 8, NV = 3;  // 24 accumulators, 3 weight vectors and a broadcast: 28 of 32 registers
+  const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
+  const int64_t tiles = (N + 15) / 16, groups = (tiles + NV - 1) / NV;
+  const int64_t block = std::max<int64_t>(MR, (192 * 1024) / (2 * K) / MR * MR);
+#pragma omp parallel num_threads(num_threads)
+  for (int64_t b0 = 0; b0 < M; b0 += block) {
+    const int64_t b1 = std::min(M, b0 + block);
+#pragma omp for schedule(static) nowait
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t t0 = g * NV;
+      const int nv = (int)std::min<int64_t>(NV, tiles - t0);
+      const uint32_t* w0 = wpk + t0 * tstride;
+      const char* next = g + 1 < groups ? reinterpret_cast<const char*>(w0 + NV * tstride) : nullptr;
+      for (int64_t m0 = b0; m0 < b1; m0 += MR, next = nullptr) {
+        const int rows = (int)std::min<int64_t>(MR, b1 - m0);
+        switch (nv) {  // a last group of fewer tiles
+          case 3: cols_tile<MR, 3>(x, K, m0, rows, w0, tstride, bias, out, N, t0, next); break;
+          case 2: cols_tile<MR, 2>(x, K, m0, rows, w0, tstride, bias, out, N, t0, nullptr); break;
+          default: cols_tile<MR, 1>(x, K, m0, rows, w0, tstride, bias, out, N, t0, nullptr); break;
+        }
+      }
+    }
+  }
+}
 #endif
 
 extern "C" {
@@ -897,7 +981,7 @@ int tidal_gemm_bf16_packed(const void* x, const void* wpk, const void* bias, voi
     case 4: skinny_bf16_packed<4>(xs, ws, bs, os, N, K, num_threads); return 0;
     default:
       if (M < 1) return -1;
-      gemm_bf16<Tiles::PACKED>(xs, wpk, bs, os, M, N, K, num_threads);
+      gemm_bf16_cols(xs, ws, bs, os, M, N, K, num_threads);
       return 0;
   }
 #else
