@@ -813,17 +813,25 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
   }
   if (K % 2) {
     __m512bh wv[NV];
+#pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w0 + j * tstride + full * 16);
+#pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32((int32_t)xr[m][K - 1]);
+#pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
     }
   }
+  // every index into acc a constant (the loops unrolled, the rows past `rows` skipped by a test), so that
+  // the sums never leave the registers: an index that varies would put the whole array on the stack
+#pragma GCC unroll 4
   for (int j = 0; j < NV; ++j) {
     const int64_t n0 = (t0 + j) * 16;
     const __mmask16 nmask = (__mmask16)((1u << std::min<int64_t>(16, N - n0)) - 1);
     const __m512 b = load_bias(bias, n0, nmask);
-    for (int m = 0; m < rows; ++m) store_row(acc[m][j], b, nmask, out + (m0 + m) * N + n0);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+      if (m < rows) store_row(acc[m][j], b, nmask, out + (m0 + m) * N + n0);
   }
 }
 
