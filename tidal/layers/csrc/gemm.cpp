@@ -25,6 +25,11 @@
 // tidal_gemm_bf16: bf16 activations and weights, bf16 out, any M (prompt chunks, batches of decodes),
 // AVX-512 BF16 only: VDPBF16PS with lanes over rows of x, the weight pairs broadcast from the plain
 // layout (no repacked copy of the weights), rows independent of each other (see gemm_bf16).
+//
+// tidal_gemm_bf16_packed: the same product on a bf16 weight packed at load in tiles of 16 rows (every plain
+// bf16 linear, embedding and LM-head weight under bf16 activations): the lanes over a tile's weight rows,
+// each pair of x broadcast from x, one lane per output summing the K pairs in order, so its bits are
+// tidal_gemm_bf16's for any M (skinny_bf16_packed for 1-4 rows, gemm_bf16_cols for more).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -493,8 +498,8 @@ static inline void store_2x16x8(const __m512* lo, const __m512* hi, const uint16
 
 // MV packed groups of 16 rows of x (xg + v * gstride, the first at row m0) against NR weight rows: MV * NR
 // accumulators, one per (group, weight row), each lane one output. The weight rows are w + i * K (plain
-// rows). prefetch (or null):
-// K / 2 cache lines to bring into L2 meanwhile, one per pair (the next tile's weights).
+// rows). prefetch (or null): K / 2 cache lines to bring into L2 meanwhile, one per pair (the next tile's
+// weights).
 template <int MV, int NR>
 static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const void* wv_, int64_t K,
                              const uint16_t* bias, uint16_t* out, int64_t M, int64_t N, int64_t m0, int64_t n0,
@@ -532,10 +537,10 @@ static inline void tile_bf16(const uint32_t* xg, int64_t gstride, const void* wv
   }
 }
 
-// Where gemm_bf16's weight tiles (16 rows each) come from: the plain [N, K] rows (PLAIN), or rows of another format
-// turned into plain bf16 rows by a function of a sibling library, one tile at a time into a per-thread
-// buffer (ROWS: GGUF blocks, gguf_gemm.cpp's tidal_gguf_rows_bf16), so a quantized weight is read once
-// per panel of x and never held whole in bf16.
+// Where gemm_bf16's weight tiles (16 rows each) come from: the plain [N, K] rows (PLAIN), or rows of
+// another format turned into plain bf16 rows by a function of a sibling library, one tile at a time into a
+// per-thread buffer (ROWS: GGUF blocks, gguf_gemm.cpp's tidal_gguf_rows_bf16), so a quantized weight is
+// read once per panel of x and never held whole in bf16. (Weights packed at load take gemm_bf16_cols.)
 enum class Tiles { PLAIN, ROWS };
 
 template <Tiles T>
@@ -588,11 +593,11 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
           const int nh = std::max(0, std::min(8, nn - 8 * half));
           for (int64_t g = 0; g < pairs_end && nh > 0; g += 2, next = nullptr)
             tile_bf16<2, 8>(xp + g * gstride, gstride, half_rows(half), K, bias, out, M, N, (g0 + g) * 16,
-                                n0 + 8 * half, nh, next);
+                            n0 + 8 * half, nh, next);
         }
         if (ng % 2)
           tile_bf16<1, 16>(xp + pairs_end * gstride, gstride, half_rows(0), K, bias, out, M, N,
-                               (g0 + pairs_end) * 16, n0, nn, next);
+                           (g0 + pairs_end) * 16, n0, nn, next);
       }
     }
   }
