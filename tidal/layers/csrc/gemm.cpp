@@ -840,11 +840,6 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
   }
 }
 
-// gemm_bf16 over the packed layout for any M: blocks of rows of x small enough to stay in L2 (~192 KiB),
-// and in each block every group of NV tiles (their K pairs in L2, handed to the threads statically, the
-// same groups to a thread in every block, no barrier between blocks) against the block's panels of MR rows.
-// The first panel of a group asks for the next group's tiles, so a weight too large for the caches
-// streams from memory while the block computes.
 // gemm_bf16 over the packed layout for any M: blocks of rows of x of ~192 KiB (in L2), and in each block
 // every group of NV tiles (their K pairs in L2; the groups handed to the threads statically, the same
 // groups to a thread in every block, no barrier between blocks) against the block's panels of MR rows.
