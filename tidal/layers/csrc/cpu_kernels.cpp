@@ -1010,6 +1010,9 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
 template <int DT>
 static void rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
                      int64_t T, int64_t H, float eps, int num_threads) {
+#if defined(TIDAL_VEC)
+  constexpr bool VEC = DT == kF32 || DT == kBF16;  // (fp16 rows: the scalar loops)
+#endif
 #pragma omp parallel num_threads(num_threads) if (T * H > 16384)  // a few decode rows: not worth waking threads
   {
     std::vector<float> row(H);
@@ -1017,22 +1020,61 @@ static void rms_norm(const void* x, const void* residual, const void* weight, vo
     for (int64_t t = 0; t < T; ++t) {
       const int64_t base = t * H;
       float* r = row.data();
-      for (int64_t i = 0; i < H; ++i) r[i] = load1<DT>(x, base + i);
-      if (residual != nullptr) {
-        for (int64_t i = 0; i < H; ++i) {
-          store1<DT>(residual_out, base + i, r[i] + load1<DT>(residual, base + i));
-          r[i] = load1<DT>(residual_out, base + i);  // the rounded sum, as the reference keeps it
+      int64_t k = 0;
+#if defined(TIDAL_VEC)
+      if constexpr (VEC) {
+        for (; k + W <= H; k += W) {
+          vf v = loadv<DT>(x, base + k);
+          if (residual != nullptr) {
+            v = simd::add(v, loadv<DT>(residual, base + k));
+            storev<DT>(residual_out, base + k, v);
+            if constexpr (DT == kBF16) v = simd::round_bf16(v);  // the rounded sum, as stored
+          }
+          simd::store(r + k, v);
         }
       }
-      float partial[16] = {0.f};
+#endif
+      for (; k < H; ++k) {
+        r[k] = load1<DT>(x, base + k);
+        if (residual != nullptr) {
+          store1<DT>(residual_out, base + k, r[k] + load1<DT>(residual, base + k));
+          r[k] = load1<DT>(residual_out, base + k);  // the rounded sum, as the reference keeps it
+        }
+      }
+      // sum of squares: 16 partial sums (element i into sum i % 16), added in order, then the tail
+      alignas(64) float partial[16] = {0.f};
       int64_t i = 0;
+#if defined(TIDAL_VEC)
+      {
+        vf acc[16 / W];
+        for (int j = 0; j < 16 / W; ++j) acc[j] = simd::zero();
+        for (; i + 16 <= H; i += 16)
+          for (int j = 0; j < 16 / W; ++j) {
+            const vf v = simd::load(r + i + j * W);
+            acc[j] = simd::fmadd(v, v, acc[j]);
+          }
+        for (int j = 0; j < 16 / W; ++j) simd::store(partial + j * W, acc[j]);
+      }
+#else
       for (; i + 16 <= H; i += 16)
         for (int j = 0; j < 16; ++j) partial[j] += r[i + j] * r[i + j];
+#endif
       float ss = 0.f;
       for (int j = 0; j < 16; ++j) ss += partial[j];
       for (; i < H; ++i) ss += r[i] * r[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-      for (int64_t k = 0; k < H; ++k) {
+      k = 0;
+#if defined(TIDAL_VEC)
+      if constexpr (VEC) {
+        const vf iv = simd::set1(inv);
+        for (; k + W <= H; k += W) {
+          vf y = simd::mul(simd::load(r + k), iv);
+          if constexpr (DT == kBF16) y = simd::round_bf16(y);
+          storev<DT>(out, base + k, simd::mul(loadv<DT>(weight, k), y));
+        }
+      }
+#endif
+      for (; k < H; ++k) {
         float y = r[k] * inv;
         if (DT != kF32) { store1<DT>(out, base + k, y); y = load1<DT>(out, base + k); }
         store1<DT>(out, base + k, load1<DT>(weight, k) * y);
