@@ -241,3 +241,35 @@ def test_gpu_memory_utilization_on_cpu_warns_that_it_has_no_effect(tiny_model_di
         tiny_llm(tiny_model_dir("llama"), device="cpu", gpu_memory_utilization=0.5)
     assert any(r.levelno == logging.WARNING and "gpu_memory_utilization 0.5 has no effect on CPU" in r.getMessage()
                for r in records)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_while_the_engine_starts_and_left_as_it_was(tiny_model_dir, monkeypatch, enabled):
+    """Python's cyclic collector is off while the engine loads (docs/cpu.md, "Start-up"), back to the
+    caller's setting after, also when the start fails."""
+    import gc
+
+    from tidal.engine import llm_engine
+    seen, fail = [], []
+    start = llm_engine.LLMEngine._start
+
+    def spy(self, config):
+        seen.append(gc.isenabled())
+        if fail:
+            raise RuntimeError("start failed")
+        return start(self, config)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "_start", spy)
+    path = tiny_model_dir("llama")
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        llm = tiny_llm(path)
+        assert seen == [False] and gc.isenabled() is enabled
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+        fail.append(True)
+        with pytest.raises(RuntimeError, match="start failed"):
+            tiny_llm(path)
+        assert seen == [False, False] and gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()

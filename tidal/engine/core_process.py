@@ -23,6 +23,7 @@ away (it polls its parent), and it ignores SIGINT and SIGTERM: the server drains
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -207,6 +208,10 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, stats_log_interv
         out.close()
         ctx.term()
         os._exit(1)
+    # the start-up heap (modules, weights' wrappers, the tokenizer) lives as long as this process: out of the
+    # collector's sight, a full collection walks only what requests create (no 0.1-0.2 s pauses mid-serving)
+    gc.collect()
+    gc.freeze()
     if engine.stats_logger is not None and stats_log_interval is not None:
         engine.stats_logger.interval_s = stats_log_interval
     info = {"model_name": engine.model_name, "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
