@@ -10,7 +10,14 @@ import logging
 
 import pytest
 
-from tests.helpers import assert_engine_idle, random_prompts, save_tiny_model, tiny_config, tiny_llm
+from tests.helpers import (
+    TEST_KV_CACHE_BYTES,
+    assert_engine_idle,
+    random_prompts,
+    save_tiny_model,
+    tiny_config,
+    tiny_llm,
+)
 from tidal import SamplingParams
 
 BLOCK_SIZE = 4
@@ -121,10 +128,18 @@ def test_without_chunked_prefill_preempted_requests_recompute_whole(tiny_model_d
 
 
 def test_without_chunked_prefill_the_default_budget_holds_max_model_len(tiny_model_dir):
-    path = tiny_model_dir("llama", max_position_embeddings=4096)
-    assert tiny_llm(path, max_model_len=3000, enable_chunked_prefill=False).llm_engine.max_num_batched_tokens == 3000
-    assert tiny_llm(path, max_model_len=1000, enable_chunked_prefill=False).llm_engine.max_num_batched_tokens == 2048
-    assert tiny_llm(path, max_model_len=3000).llm_engine.max_num_batched_tokens == 2048  # chunked: vLLM's default
+    """vLLM's defaults on a CPU: 4096 tokens a step for the offline LLM, 2048 for a server's engine; without
+    chunked prefill at least max_model_len."""
+    from tidal.config import EngineConfig
+    from tidal.engine.llm_engine import LLMEngine
+    path = tiny_model_dir("llama", max_position_embeddings=8192)
+    assert tiny_llm(path, max_model_len=5000, enable_chunked_prefill=False).llm_engine.max_num_batched_tokens == 5000
+    assert tiny_llm(path, max_model_len=1000, enable_chunked_prefill=False).llm_engine.max_num_batched_tokens == 4096
+    assert tiny_llm(path, max_model_len=3000).llm_engine.max_num_batched_tokens == 4096  # chunked: vLLM's default
+    assert tiny_llm(path, max_model_len=3000, max_num_batched_tokens=512).llm_engine.max_num_batched_tokens == 512
+    server = dict(model=path, dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, max_model_len=3000)
+    assert LLMEngine(EngineConfig(**server)).max_num_batched_tokens == 2048
+    assert LLMEngine(EngineConfig(**server, enable_chunked_prefill=False)).max_num_batched_tokens == 3000
 
 
 # -- tokenizer / tokenizer_mode ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.config)
+        self.llm_engine = LLMEngine(self.config, offline=True)
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
