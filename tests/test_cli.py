@@ -149,6 +149,17 @@ def test_every_engine_flag_sets_its_engine_config_field(monkeypatch):
         assert {k: v for k, v in got.items() if k != field} == {k: v for k, v in default.items() if k != field}, flag
 
 
+def test_max_num_seqs_defaults_to_vllms_cpu_server_value_for_serve_only():
+    from tidal.entrypoints import engine_args
+    parser = add_engine_args(argparse.ArgumentParser())
+    assert engine_args.engine_config_from_args(parser.parse_args(["--device", "cpu"]), server=True).max_num_seqs == 128
+    assert engine_args.engine_config_from_args(parser.parse_args(["--device", "cpu"])).max_num_seqs == 256
+    given = parser.parse_args(["--device", "cpu", "--max-num-seqs", "300"])
+    assert engine_args.engine_config_from_args(given, server=True).max_num_seqs == 300
+    assert engine_args.default_max_num_seqs("cpu", server=True) == 128
+    assert engine_args.default_max_num_seqs("cpu", server=False) == 256
+
+
 def test_periodic_stats_default_off_for_terminal_commands_on_for_serve_and_bench():
     parsers = {name: p for name, p in cli.build_parser()._subparsers._group_actions[0].choices.items()}
     assert parsers["generate"].parse_args([]).disable_log_stats is True
@@ -165,6 +176,20 @@ def test_generate_system_needs_chat(capsys):
 def test_serve_refuses_two_different_models(tmp_path):
     with pytest.raises(SystemExit, match="two models given: 'a' and --model 'b'"):
         cli.main(["serve", "a", "--model", "b"])
+
+
+def test_serve_builds_its_config_with_the_server_defaults(monkeypatch):
+    from tidal.entrypoints import engine_args
+    from tidal.entrypoints.openai import cli as serve_cli
+    seen = []
+
+    def config_from_args(args, model=None, server=False):
+        seen.append(engine_args.engine_config_from_args(args, model, server=server).max_num_seqs)
+        raise ValueError("stop here")
+    monkeypatch.setattr(serve_cli, "engine_config_from_args", config_from_args)
+    with pytest.raises(SystemExit, match="stop here"):
+        cli.main(["serve", "--device", "cpu", "--no-engine-core-process"])
+    assert seen == [128]
 
 
 @pytest.mark.parametrize("argv,message", [

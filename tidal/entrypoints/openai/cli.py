@@ -142,7 +142,7 @@ def run_server(args: argparse.Namespace) -> int:
 
         if args.engine_core_process and process is None:
             process = start_core_process()
-        config = engine_config_from_args(args, args.model)
+        config = engine_config_from_args(args, args.model, server=True)
         if args.engine_core_process:
             async_llm = AsyncLLM.from_config(config, max_waiting_requests=args.max_waiting_requests,
                                              core_process=True, stats_log_interval=args.stats_log_interval,
