@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ def emit(result: dict, output_json: str | None) -> None:
 def serve(args) -> None:
     """`tidal serve` on dummy weights, and one `tidal bench serve` run of --num-prompts requests at once."""
     from tidal.benchmarks import sweep
+    from tidal.device import resolve_device
     from tidal.loader.loader import dummy_config
 
     n = args.num_prompts or 256
@@ -57,6 +59,10 @@ def serve(args) -> None:
         *(["--async-scheduling"] if args.async_scheduling else []), dtype=args.dtype)
     t0 = time.perf_counter()
     with sweep.serving(cmd, port, "tidal") as server:
+        def stop(signum, frame):  # `timeout` stops this run: take the server (and its GPU memory) with it
+            server.stop(timeout=2)
+            sys.exit(128 + signum)
+        signal.signal(signal.SIGTERM, stop)
         ready_s = time.perf_counter() - t0
         # a few requests first: kernels compiled, graphs captured, before the timed run
         sweep.run_rate(server.url, float("inf"), num_prompts=4, input_len=args.prompt_len, output_len=8, seed=1000,
@@ -66,7 +72,8 @@ def serve(args) -> None:
     keep = ("completed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
             "output_throughput", "total_token_throughput")
     result = {"case": "serve", "model": args.model, "dtype": args.dtype, "device": args.device,
-              "async_scheduling": args.async_scheduling, "cuda_graphs": not args.enforce_eager,
+              "async_scheduling": args.async_scheduling,
+              "cuda_graphs": resolve_device(args.device) == "cuda" and not args.enforce_eager,
               "num_prompts": n, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "server_ready_s": round(ready_s, 1), **{k: r[k] for k in keep if k in r},
               **{k: v for k, v in r.items() if k.endswith("_ms")}}

@@ -18,6 +18,10 @@
 #   decode_llama3_8b.json/.txt         --case decode on a Llama-3-8B-shaped dummy model (bf16): one request,
 #                                      128 prompt -> 256 output tokens; time per output token against weight
 #                                      bytes / 4.8 TB/s
+#   serve_llama3_8b.json/.txt          --case serve on the Llama-3-8B shape: `tidal serve` (dummy weights, bf16,
+#                                      max_num_seqs 256), then `tidal bench serve` with 256 requests of
+#                                      1,024 -> 256 tokens at once: output tok/s, TTFT / TPOT / ITL / E2E
+#                                      percentiles
 #   offline_smollm2_async.json         the offline run again with --async-scheduling (A/B)
 #   decode_llama3_8b_async.json        the decode run again with --async-scheduling
 #   offline_smollm2_eager.json         the offline run again with --enforce-eager (no CUDA graphs: A/B)
@@ -31,11 +35,12 @@
 # folder on PYTHONPATH, only where the machine has no such package or an older one.
 #
 # Time: not yet measured with the Triton kernels (their first compile adds seconds per kernel variant);
-# expected 4-6 minutes on an H200. Each step has a timeout, and no step runs past
+# expected 5-7 minutes on an H200. Each step has a timeout, and no step runs past
 # TOTAL_TIMEOUT (540 s) from the start, so a remote command limit of 600 s always gets the summary.
 #
 # Knobs (environment): PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3),
-# TOTAL_TIMEOUT (540 s), PYTEST_TIMEOUT (240 s), BENCH_TIMEOUT (120 s per benchmark), BENCH_DEVICE (cuda),
+# TOTAL_TIMEOUT (540 s), PYTEST_TIMEOUT (240 s), BENCH_TIMEOUT (120 s per benchmark), SERVE_TIMEOUT (180 s:
+# the server's start with its graph capture and the serving run), BENCH_DEVICE (cuda),
 # BENCH_TINY=1 (a 2-layer config and a few requests: a smoke test of this script on a CPU, with
 # BENCH_DEVICE=cpu SKIP_TESTS=1), BENCH_ARGS (extra flags of gpu_bench.py), SKIP_TESTS=1, SKIP_BENCH=1,
 # SKIP_BASELINE=1.
@@ -52,6 +57,7 @@ fi
 TOTAL_TIMEOUT=${TOTAL_TIMEOUT:-540}
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
+SERVE_TIMEOUT=${SERVE_TIMEOUT:-180}
 BENCH_DEVICE=${BENCH_DEVICE:-cuda}
 BENCH_ARGS=${BENCH_ARGS:-}
 
@@ -161,6 +167,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     LARGE=llama-3-8b
     offline_args=""
     decode_args="--prompt-len 128 --output-len 256"
+    serve_args="--num-prompts 256 --prompt-len 1024 --output-len 256"
     if [ "${BENCH_TINY:-0}" = 1 ]; then  # a smoke test of this script on a CPU: a 2-layer config, a few requests
         SMALL="$WORK/tiny-config"
         LARGE="$SMALL"
@@ -176,6 +183,7 @@ json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
 EOF
         offline_args="--num-prompts 4 --max-tokens 8"
         decode_args="--prompt-len 16 --output-len 8"
+        serve_args="--num-prompts 8 --prompt-len 64 --output-len 8"
     fi
 
     bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu_bench.py run, its RESULT line into NAME.json
@@ -195,6 +203,8 @@ EOF
     bench offline_smollm2 "$BENCH_TIMEOUT" --case offline --model "$SMALL" $offline_args
     # shellcheck disable=SC2086
     bench decode_llama3_8b "$BENCH_TIMEOUT" --case decode --model "$LARGE" $decode_args
+    # shellcheck disable=SC2086
+    bench serve_llama3_8b "$SERVE_TIMEOUT" --case serve --model "$LARGE" $serve_args
     # shellcheck disable=SC2086
     bench offline_smollm2_async "$BENCH_TIMEOUT" --case offline --model "$SMALL" --async-scheduling $offline_args
     # shellcheck disable=SC2086

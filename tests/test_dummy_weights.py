@@ -67,3 +67,21 @@ def test_dummy_with_quantization_is_refused():
 def test_unknown_load_format_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="load_format must be one of auto, dummy; got 'pt'"):
         EngineConfig(load_format="pt")
+
+
+def test_gpu_bench_serve_case_serves_a_config_only_folder(config_only_dir, tmp_path):
+    """benchmarks/gpu_bench.py --case serve (run on a GPU by gpu_check.sh): `tidal serve --load-format dummy`
+    on a folder with no tokenizer answers every request of `tidal bench serve`, here on the CPU."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "serve.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu_bench.py"), "--case", "serve",
+                           "--model", config_only_dir, "--device", "cpu", "--dtype", "float32", "--num-prompts", "6",
+                           "--prompt-len", "20", "--output-len", "5", "--max-model-len", "128",
+                           "--output-json", str(out)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["total_input_tokens"], result["total_output_tokens"]) == (6, 120, 30)
+    assert result["cuda_graphs"] is False and result["p99_ttft_ms"] >= result["median_ttft_ms"] > 0
