@@ -112,10 +112,12 @@ def test_the_cpu_row_is_the_reference_cpus_calibration():
 
 def test_the_cpu_row_predicts_the_measured_offline_run(smollm2):
     """`tidal bench throughput --workload offline` measured on the reference CPU (docs/planner.md: 25.85 s,
-    652.3 output tokens/s, 262 steps, mean TTFT 6969 ms, mean TPOT 152 ms) is predicted within 15%."""
+    652.3 output tokens/s, 262 steps, mean TTFT 6969 ms, mean TPOT 152 ms) is predicted within 15%. It ran
+    2,048-token steps, the offline engine's budget on a CPU then (4,096 since)."""
     from tidal.benchmarks import datasets
     from tidal.planner.workload import from_requests
-    s = summarize(simulate(smollm2, get_device("cpu"), from_requests(datasets.workload_requests("offline"))))
+    s = summarize(simulate(smollm2, get_device("cpu"), from_requests(datasets.workload_requests("offline")),
+                           EngineSettings(max_num_batched_tokens=2048)))
     for key, measured in (("duration_s", 25.85), ("output_throughput", 652.3), ("mean_ttft_ms", 6969),
                           ("mean_tpot_ms", 152)):
         assert s[key] == pytest.approx(measured, rel=0.15), (key, s[key])
@@ -586,3 +588,17 @@ def test_the_serving_fit_recovers_the_figures_that_produced_the_runs(smollm2):
     assert device.serve_request_overhead == 0.0 and device.serve_wide_step_overhead == wide
     assert latency == pytest.approx(0.012, abs=1e-3)
     assert device.serve_first_token_latency == latency
+
+
+@pytest.mark.parametrize(("device", "served", "seqs", "budget"), [
+    ("cpu", True, 128, 2048),         # `tidal serve` on a CPU: vLLM's CPU server defaults
+    ("cpu", False, 256, 4096),        # the offline engine on a CPU (LLM, tidal bench throughput)
+    ("H100-80GB", True, 256, 2048),
+    ("H100-80GB", False, 256, 2048),
+])
+def test_simulated_engine_takes_the_engines_defaults_for_the_device(smollm2, device, served, seqs, budget):
+    from tidal.planner.simulator import Simulation
+    sim = Simulation(smollm2, get_device(device), EngineSettings(max_model_len=2048, served=served))
+    assert (sim.scheduler.max_num_seqs, sim.scheduler.max_num_batched_tokens) == (seqs, budget)
+    given = Simulation(smollm2, get_device(device), EngineSettings(max_num_seqs=64, max_model_len=2048, served=served))
+    assert given.scheduler.max_num_seqs == 64

@@ -14,6 +14,10 @@ TOKENIZER_MODES = ("auto", "hf", "slow")
 HF_CONFIG_MODULES = ("transformers.configuration_utils", "transformers.utils.type_validators")
 
 
+# vLLM's default max_num_seqs for its OpenAI server on a CPU (256 for its offline LLM, as EngineConfig's)
+SERVER_CPU_MAX_NUM_SEQS = 128
+
+
 @dataclass
 class EngineConfig:
     """Every engine knob; docs/cli.md says what each does, its default and what is refused."""
@@ -26,7 +30,7 @@ class EngineConfig:
     # "auto": CUDA when torch sees a GPU, else CPU; resolved to "cpu" or "cuda" at construction
     device: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = 256  # `tidal serve` on a CPU: SERVER_CPU_MAX_NUM_SEQS (tidal.entrypoints.engine_args)
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from tidal.config import TOKENIZER_MODES, EngineConfig
+from tidal.config import SERVER_CPU_MAX_NUM_SEQS, TOKENIZER_MODES, EngineConfig
 from tidal.layers.attention.kv_cache_dtype import KV_CACHE_DTYPES
 from tidal.layers.quantization import QUANTIZATION_METHODS
 
@@ -98,7 +98,6 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     return parser
 
 
-SERVER_CPU_MAX_NUM_SEQS = 128  # vLLM's default for its OpenAI server on a CPU (256 for its offline LLM)
 _MAX_NUM_SEQS = EngineConfig.max_num_seqs  # 256: the offline API, the CLI's offline commands, CUDA
 
 

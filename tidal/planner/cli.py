@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a 2-core AMD EPYC Zen 4, AVX-512 BF16)")
     m.add_argument("--calibration", default=None, help="a device file from `tidal plan calibrate` (replaces --device)")
     e = p.add_argument_group("engine (as `tidal serve`)")
-    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: the engine's, 256 (128 for `tidal serve` on a CPU device)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--block-size", type=int, default=16)
@@ -200,7 +201,8 @@ def run(args) -> int:
         print(f"error: {e}")
         return 2
     context_lens = args.context_lens or sorted({min(4096, max_model_len), max_model_len})
-    fit = report.requests_that_fit(profile, result, args.max_num_seqs, args.block_size, context_lens)
+    fit = report.requests_that_fit(profile, result, settings.for_device(device).max_num_seqs, args.block_size,
+                                   context_lens)
     out = {"model": vars(profile), "device": device.as_dict(), "cache": vars(result.plan), "fit": fit,
            "summary": summary}
     print(describe(profile, device, result.plan, fit, summary, args))

@@ -52,6 +52,7 @@ class Device:
     attention_flops: float | None = None  # achieved FLOP/s of attention's query-key products (prompts); None: GEMM peak
     kv_cache_memory_bytes: float | None = None  # the engine's cache budget where it is fixed (CPU: 4 GiB)
     source: str = "table"
+    kind: str = "gpu"                     # "cpu": the engine's CPU defaults apply (EngineSettings.for_device)
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "memory_bandwidth", "vector_flops"):
@@ -125,7 +126,8 @@ DEVICES = {
         attention_seconds_per_kv_byte=36.5e-12,         # from memory
         attention_seconds_per_cached_kv_byte=6.1e-12,   # re-read from the caches (a shared prefix)
         attention_flops=445e9,                          # query-key products of prompts
-        kv_cache_memory_bytes=4 * 2**30),               # the engine's fixed CPU cache budget
+        kv_cache_memory_bytes=4 * 2**30,                # the engine's fixed CPU cache budget
+        kind="cpu"),
 }
 
 

@@ -17,8 +17,9 @@ take at most half of it, KV blocks the rest.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from tidal.config import SERVER_CPU_MAX_NUM_SEQS, EngineConfig
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
 from tidal.core.state_checkpoints import StateCheckpoints
@@ -35,7 +36,7 @@ from tidal.worker.memory import plan_kv_cache, plan_state_slots
 
 @dataclass
 class EngineSettings:
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None        # None: the engine's default for the device and use (for_device)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     block_size: int = 16
@@ -46,11 +47,22 @@ class EngineSettings:
     kv_cache_memory_bytes: int | None = None
     served: bool = False                   # under `tidal serve` (the server's per-step cost), not offline
 
-    def step_budget(self, max_model_len: int) -> int:
-        """The engine's rule (LLMEngine._max_num_batched_tokens)."""
+    def for_device(self, device: Device) -> EngineSettings:
+        """These settings with the engine's defaults where they are left open, as the engine takes them on
+        the device: max_num_seqs 256, 128 for `tidal serve` on a CPU (tidal.entrypoints.engine_args)."""
+        if self.max_num_seqs is not None:
+            return self
+        cpu_server = device.kind == "cpu" and self.served
+        return replace(self, max_num_seqs=SERVER_CPU_MAX_NUM_SEQS if cpu_server else EngineConfig.max_num_seqs)
+
+    def step_budget(self, max_model_len: int, cpu: bool = False) -> int:
+        """The engine's rule (LLMEngine._max_num_batched_tokens): a base of 2048 tokens, 4096 for the offline
+        engine on a CPU (`cpu` and not served)."""
+        base = 4096 if cpu and not self.served else 2048
+        seqs = self.max_num_seqs or EngineConfig.max_num_seqs
         if self.enable_chunked_prefill:
-            return self.max_num_batched_tokens or max(2048, self.max_num_seqs)
-        return max(self.max_num_batched_tokens or 0, 2048, self.max_num_seqs, max_model_len)
+            return self.max_num_batched_tokens or max(base, seqs)
+        return max(self.max_num_batched_tokens or 0, base, seqs, max_model_len)
 
 
 @dataclass
@@ -142,7 +154,7 @@ class Simulation:
     benchmark runs), its clock where that run ended."""
 
     def __init__(self, model: ModelProfile, device: Device, settings: EngineSettings | None = None) -> None:
-        self.settings = settings = settings or EngineSettings()
+        self.settings = settings = (settings or EngineSettings()).for_device(device)
         self.max_model_len = min(settings.max_model_len or model.max_model_len, model.max_model_len)
         self.plan = plan = plan_cache(model, device, settings, self.max_model_len)
         self.now = 0.0
@@ -153,7 +165,8 @@ class Simulation:
         pool = StatePool(plan.num_state_slots) if plan.num_state_slots else None
         checkpoints = StateCheckpoints(plan.num_state_slots, plan.num_state_slots) \
             if pool is not None and settings.enable_prefix_caching else None
-        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.step_budget(self.max_model_len),
+        budget = settings.step_budget(self.max_model_len, device.kind == "cpu")
+        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, budget,
                                    self.max_model_len, state_pool=pool, state_checkpoints=checkpoints,
                                    enable_chunked_prefill=settings.enable_chunked_prefill)
         self.cost = CostModel(model, device, settings.served)
