@@ -18,6 +18,17 @@ HF_CONFIG_MODULES = ("transformers.configuration_utils", "transformers.utils.typ
 SERVER_CPU_MAX_NUM_SEQS = 128
 
 
+def max_num_seqs_default(cpu: bool, server: bool) -> int:
+    """vLLM's default of requests running at once: 128 for a server on a CPU, else EngineConfig's 256."""
+    return SERVER_CPU_MAX_NUM_SEQS if cpu and server else EngineConfig.max_num_seqs
+
+
+def step_tokens_default(cpu: bool, offline: bool) -> int:
+    """vLLM's default step budget before max_num_seqs and max_model_len raise it: 4096 tokens for the offline
+    engine on a CPU (fewer, larger prompt steps), 2048 otherwise (a server, and any CUDA engine)."""
+    return 4096 if cpu and offline else 2048
+
+
 @dataclass
 class EngineConfig:
     """Every engine knob; docs/cli.md says what each does, its default and what is refused."""
@@ -30,7 +41,7 @@ class EngineConfig:
     # "auto": CUDA when torch sees a GPU, else CPU; resolved to "cpu" or "cuda" at construction
     device: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256  # `tidal serve` on a CPU: SERVER_CPU_MAX_NUM_SEQS (tidal.entrypoints.engine_args)
+    max_num_seqs: int = 256  # `tidal serve` on a CPU: max_num_seqs_default (tidal.entrypoints.engine_args)
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None

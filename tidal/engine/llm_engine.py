@@ -24,7 +24,7 @@ import logging
 import time
 from typing import NamedTuple
 
-from tidal.config import EngineConfig
+from tidal.config import EngineConfig, step_tokens_default
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler, SchedulerOutput
 from tidal.core.state_checkpoints import StateCheckpoints
@@ -216,7 +216,7 @@ class LLMEngine:
         128 tokens 6% faster than with 2048, docs/cpu.md), 2048 otherwise (a server, and any CUDA engine).
         Without chunked prefill (as vLLM) at least max_model_len, so that any prompt fits one step whole."""
         c = self.config
-        base = 4096 if self.offline and c.device == "cpu" else 2048
+        base = step_tokens_default(c.device == "cpu", self.offline)
         if c.enable_chunked_prefill:
             return c.max_num_batched_tokens or max(base, c.max_num_seqs)
         if c.max_num_batched_tokens is None:

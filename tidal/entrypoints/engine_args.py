@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from tidal.config import SERVER_CPU_MAX_NUM_SEQS, TOKENIZER_MODES, EngineConfig
+from tidal.config import TOKENIZER_MODES, EngineConfig, max_num_seqs_default
+from tidal.device import resolve_device
 from tidal.layers.attention.kv_cache_dtype import KV_CACHE_DTYPES
 from tidal.layers.quantization import QUANTIZATION_METHODS
 
@@ -98,18 +99,13 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     return parser
 
 
-_MAX_NUM_SEQS = EngineConfig.max_num_seqs  # 256: the offline API, the CLI's offline commands, CUDA
-
-
 def default_max_num_seqs(device: str, server: bool) -> int:
     """--max-num-seqs when not given: vLLM's defaults, 128 for a server on a CPU, else EngineConfig's 256.
     A CPU server under more load than it can serve then runs 128 requests at a time and keeps the rest
     waiting, rather than decoding them all at once (192 requests of 256 -> 128 tokens arriving at 8 req/s on
     2 Zen 4 cores: throughput 348 against 314 output tok/s, mean TPOT 265 against 437 ms)."""
-    from tidal.device import resolve_device
-    if server and resolve_device(device) == "cpu":
-        return SERVER_CPU_MAX_NUM_SEQS
-    return _MAX_NUM_SEQS
+    cpu = server and resolve_device(device) == "cpu"  # (only a server's default depends on the device)
+    return max_num_seqs_default(cpu, server)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None = None, server: bool = False) -> EngineConfig:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from tidal.config import SERVER_CPU_MAX_NUM_SEQS, EngineConfig
+from tidal.config import max_num_seqs_default, step_tokens_default
 from tidal.core.kv_cache_manager import KVCacheManager
 from tidal.core.scheduler import Scheduler
 from tidal.core.state_checkpoints import StateCheckpoints
@@ -52,17 +52,14 @@ class EngineSettings:
         the device: max_num_seqs 256, 128 for `tidal serve` on a CPU (tidal.entrypoints.engine_args)."""
         if self.max_num_seqs is not None:
             return self
-        cpu_server = device.kind == "cpu" and self.served
-        return replace(self, max_num_seqs=SERVER_CPU_MAX_NUM_SEQS if cpu_server else EngineConfig.max_num_seqs)
+        return replace(self, max_num_seqs=max_num_seqs_default(device.kind == "cpu", self.served))
 
     def step_budget(self, max_model_len: int, cpu: bool = False) -> int:
-        """The engine's rule (LLMEngine._max_num_batched_tokens): a base of 2048 tokens, 4096 for the offline
-        engine on a CPU (`cpu` and not served)."""
-        base = 4096 if cpu and not self.served else 2048
-        seqs = self.max_num_seqs or EngineConfig.max_num_seqs
+        """The engine's rule (LLMEngine._max_num_batched_tokens), on settings for_device resolved."""
+        base = step_tokens_default(cpu, offline=not self.served)
         if self.enable_chunked_prefill:
-            return self.max_num_batched_tokens or max(base, seqs)
-        return max(self.max_num_batched_tokens or 0, base, seqs, max_model_len)
+            return self.max_num_batched_tokens or max(base, self.max_num_seqs)
+        return max(self.max_num_batched_tokens or 0, base, self.max_num_seqs, max_model_len)
 
 
 @dataclass
