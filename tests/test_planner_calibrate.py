@@ -4,6 +4,7 @@ end) and fitted as the planner simulates them."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 
@@ -156,6 +157,39 @@ def test_serving_waits_for_health_and_stops_the_server_on_an_error(tmp_path):
         sweep.start([sys.executable, "-c", "import sys; print('no model'); sys.exit(3)"], port, "fake",
                     log_dir=str(tmp_path))
 
+
+# a "server" whose child process burns CPU while the parent sleeps (as an engine core under an HTTP server)
+_BUSY_TREE = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import sys, time\\nsys.stdout.write('go\\\\n'); sys.stdout.flush()\\n"
+                          "while True:\\n    t = time.process_time()\\n    while time.process_time() - t < 0.05: pass\\n"
+                          "    time.sleep(0.01)"], stdout=subprocess.PIPE)
+child.stdout.readline()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_cpu_split_charges_each_process_of_the_server_tree_and_the_client():
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with sweep.cpu_split(proc.pid) as split:
+            assert split == {}  # filled when the block ends
+            t = time.process_time()
+            while time.process_time() - t < 0.2:  # the client's own work
+                pass
+            time.sleep(0.6)
+        server, = (v for k, v in split.items() if k.startswith(f"pid {proc.pid}: "))
+        child, = (v for k, v in split.items() if k.startswith("pid ") and not k.startswith(f"pid {proc.pid}: "))
+        assert server < 0.1  # the parent slept
+        assert child > 0.2  # ~5/6 of 0.8 s busy
+        assert 0.15 < split["client"] < 0.8
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        proc.kill()
+        proc.wait()
 
 @pytest.mark.slow
 def test_calibrate_serve_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, capsys, monkeypatch):

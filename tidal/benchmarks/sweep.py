@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -171,11 +172,48 @@ def run_rate(url: str, rate: float, *, num_prompts: int, input_len: int, output_
     return result
 
 
+def _process_name(proc) -> str:
+    """A short name of a process: its command line, the program's path cut to its last part."""
+    argv = proc.cmdline() or [proc.name()]
+    return " ".join([os.path.basename(argv[0]), *argv[1:]]).strip()[:60]
+
+
+@contextlib.contextmanager
+def cpu_split(server_pid: int) -> Iterator[dict[str, float]]:
+    """The CPU seconds (user + system) used inside the block by each process of the server's tree (the
+    server and every process below it when the block starts, as `pid N: <command line>`) and by this one
+    (`client`: `tidal bench serve` runs here), into the dict it yields, filled when the block ends: where a
+    served run's CPU time went (on 2 cores, what the server and the client take the engine's threads do
+    not get). A process gone by then is left out."""
+    import psutil
+    try:
+        root = psutil.Process(server_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        procs = []
+    before = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            before[proc] = (t.user + t.system, _process_name(proc))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    split: dict[str, float] = {}
+    yield split
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    for proc, (seconds, name) in before.items():
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            split[f"pid {proc.pid}: {name}"] = round(t.user + t.system - seconds, 2)
+    split["client"] = round(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime, 2)
+
+
 def sweep(url: str, rates: Sequence[float], *, num_prompts: int, input_len: int, output_len: int,
-          vocab_size: int | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
+          vocab_size: int | None = None, progress: Callable[[str], None] | None = None,
+          cpu_of: int | None = None) -> list[dict]:
     """The sweep's runs against one server: the warm-up (not returned), then each rate in order, run i
     with sweep_seed(i). Returns each rate's `tidal bench serve` results; `progress` gets a line as each run
-    starts and ends."""
+    starts and ends. With `cpu_of` (the server's process id) each result also holds `cpu_seconds`, the
+    run's cpu_split."""
     say = progress or (lambda line: None)
     lens = dict(input_len=input_len, output_len=output_len, vocab_size=vocab_size)
     t0 = time.perf_counter()
@@ -186,7 +224,10 @@ def sweep(url: str, rates: Sequence[float], *, num_prompts: int, input_len: int,
     for i, rate in enumerate(rates):
         say(f"rate {rate:g} req/s ({i + 1} of {len(rates)}): {num_prompts} requests of {input_len} tokens, "
             f"{output_len} out, seed {sweep_seed(i)}")
-        r = run_rate(url, rate, num_prompts=num_prompts, seed=sweep_seed(i), **lens)
+        with cpu_split(cpu_of) if cpu_of is not None else contextlib.nullcontext() as cpu:
+            r = run_rate(url, rate, num_prompts=num_prompts, seed=sweep_seed(i), **lens)
+        if cpu is not None:
+            r["cpu_seconds"] = cpu
         say(f"rate {rate:g} req/s done in {r['duration']:.1f} s: {r['output_throughput']:.1f} output tok/s, "
             f"mean TTFT {r['mean_ttft_ms']:.1f} ms, mean TPOT {r['mean_tpot_ms']:.2f} ms")
         results.append(r)
