@@ -159,11 +159,18 @@ def test_serving_waits_for_health_and_stops_the_server_on_an_error(tmp_path):
 
 
 # a "server" whose child process burns CPU while the parent sleeps (as an engine core under an HTTP server)
+_BUSY = """
+import time
+print("go", flush=True)
+while True:
+    t = time.process_time()
+    while time.process_time() - t < 0.05:
+        pass
+    time.sleep(0.01)
+"""
 _BUSY_TREE = """
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import sys, time\\nsys.stdout.write('go\\\\n'); sys.stdout.flush()\\n"
-                          "while True:\\n    t = time.process_time()\\n    while time.process_time() - t < 0.05: pass\\n"
-                          "    time.sleep(0.01)"], stdout=subprocess.PIPE)
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE)
 child.stdout.readline()
 print("ready", flush=True)
 time.sleep(60)
@@ -171,7 +178,7 @@ time.sleep(60)
 
 
 def test_cpu_split_charges_each_process_of_the_server_tree_and_the_client():
-    proc = subprocess.Popen([sys.executable, "-c", _BUSY_TREE], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_TREE, _BUSY], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         with sweep.cpu_split(proc.pid) as split:
