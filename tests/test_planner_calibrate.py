@@ -198,6 +198,7 @@ def test_cpu_split_charges_each_process_of_the_server_tree_and_the_client():
         proc.kill()
         proc.wait()
 
+
 @pytest.mark.slow
 def test_calibrate_serve_end_to_end_on_a_tiny_model(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """One command: the engine steps timed, a real `tidal serve` on the tiny model measured at two rates
