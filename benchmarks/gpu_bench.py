@@ -18,7 +18,9 @@ time per output token, compared with weight bytes / bandwidth (H200: 4.8 TB/s). 
 on the dummy model (max_num_seqs = --num-prompts), then `tidal bench serve` sends --num-prompts random
 token-id prompts of --prompt-len, --output-len out, all at once (so that many are in flight together):
 output throughput and TTFT / TPOT / end-to-end percentiles. Prints one JSON line starting with "RESULT "
-(and writes it to --output-json).
+(and writes it to --output-json). --cprofile N (offline, decode): the timed run under cProfile, its N
+costliest functions by own time printed before the result (the host's share of a step, function by
+function; the figures of such a run are slower than without it).
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def serve(args) -> None:
     port = sweep.free_port()
     cmd = sweep.tidal_serve_command(
         args.model, port, args.max_model_len, "--load-format", "dummy", "--device", args.device,
-        "--max-num-seqs", str(n), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        "--max-num-seqs", str(args.max_num_seqs or n), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []),
         *(["--enforce-eager"] if args.enforce_eager else []),
         *(["--async-scheduling"] if args.async_scheduling else []), dtype=args.dtype)
     t0 = time.perf_counter()
@@ -75,6 +78,7 @@ def serve(args) -> None:
               "async_scheduling": args.async_scheduling,
               "cuda_graphs": resolve_device(args.device) == "cuda" and not args.enforce_eager,
               "num_prompts": n, "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
               "server_ready_s": round(ready_s, 1), **{k: r[k] for k in keep if k in r},
               **{k: v for k, v in r.items() if k.endswith("_ms")}}
     emit(result, args.output_json)
@@ -97,6 +101,12 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step eager")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="launch each step while the previous one runs (the engine's async_scheduling)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engine's (default: its own; serve: --num-prompts)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the engine's step budget (default: its own)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="offline/decode: profile the timed run's host work, print its N costliest functions")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     if args.case == "serve":
@@ -107,7 +117,9 @@ def main() -> None:
     from tidal import LLM, SamplingParams
     llm = LLM(model=args.model, load_format="dummy", dtype=args.dtype, device=args.device,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+              **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}))
     engine = llm.llm_engine
     runner = engine.runner
     cuda = runner.device.type == "cuda"
@@ -121,13 +133,18 @@ def main() -> None:
         return out
     PendingStep.result = timed_result
 
-    def run(reqs) -> dict:
+    def run(reqs, profile: bool = False) -> dict:
         for i, r in enumerate(reqs):
             engine.add_request(f"r{time.monotonic_ns()}-{i}", {"prompt_token_ids": r["prompt_token_ids"]},
                                SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
         spans.clear()
         replays_before = 0 if runner.decode_graphs is None else runner.decode_graphs.replays
         step_s, generated = [], 0
+        profiler = None
+        if profile:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             s0 = time.perf_counter()
@@ -136,6 +153,12 @@ def main() -> None:
                     generated += len(out.outputs[0].token_ids)
             step_s.append(time.perf_counter() - s0)
         wall = time.perf_counter() - t0
+        if profiler is not None:
+            import pstats
+            profiler.disable()
+            print(f"== cProfile of the timed run ({len(step_s)} steps, {wall:.3f} s): top {args.cprofile} by own time")
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(args.cprofile)
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(args.cprofile)
         res = {"requests": len(reqs), "steps": len(step_s), "wall_s": round(wall, 3),
                "output_tokens": generated, "output_tok_s": round(generated / wall, 1),
                "step_ms_mean": round(1e3 * wall / len(step_s), 3)}
@@ -155,7 +178,7 @@ def main() -> None:
             warm = [dict(r, max_tokens=min(r["max_tokens"], args.max_tokens)) for r in warm]
         run(warm)
         llm.reset_prefix_cache()
-        res, _ = run(reqs)
+        res, _ = run(reqs, profile=args.cprofile > 0)
     else:
         rng = random.Random(0)
         vocab = engine.vocab_size
@@ -164,7 +187,7 @@ def main() -> None:
             return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.prompt_len)],
                      "max_tokens": args.output_len}]
         run(one())  # warm-up
-        res, step_s = run(one())
+        res, step_s = run(one(), profile=args.cprofile > 0)
         decode = step_s[1:]  # the first step computes the prompt
         tpot = statistics.median(decode) * 1e3
         floor = engine.weight_bytes / (args.bandwidth_gbs * 1e9) * 1e3
@@ -173,7 +196,8 @@ def main() -> None:
                    tpot_over_floor=round(tpot / floor, 3))
     result = {"case": args.case, "model": args.model, "dtype": args.dtype, "device": str(runner.device),
               "attention": runner.attn_backend.name, "cuda_graphs": runner.decode_graphs is not None,
-              "async_scheduling": args.async_scheduling,
+              "async_scheduling": args.async_scheduling, "max_num_seqs": engine.config.max_num_seqs,
+              "max_num_batched_tokens": engine.max_num_batched_tokens, "cprofile": args.cprofile > 0,
               "gpu": torch.cuda.get_device_name(0) if cuda else None, **res}
     emit(result, args.output_json)
 

@@ -22,6 +22,10 @@
 #                                      max_num_seqs 256), then `tidal bench serve` with 256 requests of
 #                                      1,024 -> 256 tokens at once: output tok/s, TTFT / TPOT / ITL / E2E
 #                                      percentiles
+#   offline_smollm2_cprofile.json/.txt the offline run again under cProfile (--cprofile 40): the host's
+#                                      costliest functions per step (slower than without)
+#   offline_smollm2_mbt8192.json       the offline run again with a step budget of 8,192 tokens (A/B of
+#                                      the CUDA default, 2,048)
 #   offline_smollm2_async.json         the offline run again with --async-scheduling (A/B)
 #   decode_llama3_8b_async.json        the decode run again with --async-scheduling
 #   offline_smollm2_eager.json         the offline run again with --enforce-eager (no CUDA graphs: A/B)
@@ -153,9 +157,13 @@ grep -E "^(python|torch|gpu|triton|transformers) " "$OUT/env.txt"
 # -- 2. tests --------------------------------------------------------------------------------------
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "== pytest tests/test_cuda.py tests/test_triton_kernels.py (timeout ${PYTEST_TIMEOUT}s)"
-    # no -x: with one run on the machine, every failing test is worth seeing
+    # no -x: with one run on the machine, every failing test is worth seeing; one test that hangs is cut
+    # after 90 s where pytest-timeout is installed (the GPU image has it), so the others still run
+    per_test=""
+    if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then per_test="--timeout=90"; fi
+    # shellcheck disable=SC2086  # per_test: empty or one flag
     timeout -k 5 "$(limit "$PYTEST_TIMEOUT")" "$PYTHON" -m pytest -q -rfEs --durations=12 -p no:cacheprovider \
-        tests/test_cuda.py tests/test_triton_kernels.py > "$OUT/pytest.txt" 2>&1
+        $per_test tests/test_cuda.py tests/test_triton_kernels.py > "$OUT/pytest.txt" 2>&1
     rc=$?
     tail -n 40 "$OUT/pytest.txt"
     step "tests/test_cuda.py + test_triton_kernels.py: $(grep -E '(passed|failed|error)' "$OUT/pytest.txt" | tail -n 1) (pytest.txt)" $rc
@@ -205,6 +213,11 @@ EOF
     bench decode_llama3_8b "$BENCH_TIMEOUT" --case decode --model "$LARGE" $decode_args
     # shellcheck disable=SC2086
     bench serve_llama3_8b "$SERVE_TIMEOUT" --case serve --model "$LARGE" $serve_args
+    # shellcheck disable=SC2086
+    bench offline_smollm2_cprofile "$BENCH_TIMEOUT" --case offline --model "$SMALL" --cprofile 40 $offline_args
+    # shellcheck disable=SC2086
+    bench offline_smollm2_mbt8192 "$BENCH_TIMEOUT" --case offline --model "$SMALL" --max-num-batched-tokens 8192 \
+        $offline_args
     # shellcheck disable=SC2086
     bench offline_smollm2_async "$BENCH_TIMEOUT" --case offline --model "$SMALL" --async-scheduling $offline_args
     # shellcheck disable=SC2086

@@ -11,9 +11,10 @@
 #
 # The GPU image ('cuda': torch, transformers, tokenizers, safetensors, numpy, tqdm, jinja2, psutil,
 # prometheus-client, anyio, click, h11, httpx, requests, pyyaml, pytest, hypothesis, ...) lacks gguf
-# (GGUF loading) and the server's fastapi / uvicorn / pydantic stack; typing-extensions is carried too
-# because pydantic needs a recent one. The engine, the tests of tests/test_cuda.py and the throughput
-# benchmark need none of them.
+# (GGUF loading), the server's fastapi / uvicorn / pydantic stack and the engine-core process's pyzmq and
+# msgspec (`tidal serve` runs its engine core in a process of its own by default); typing-extensions is
+# carried too because pydantic needs a recent one. The engine, the tests of tests/test_cuda.py and the
+# throughput benchmark need none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +23,7 @@ PYTHON=${PYTHON:-.venv/bin/python}
 GPU_PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
 DEST=gpu_wheels
 PACKAGES=(gguf fastapi starlette uvicorn pydantic pydantic-core annotated-types annotated-doc typing-inspection
-          typing-extensions opentelemetry-api sniffio)
+          typing-extensions opentelemetry-api sniffio pyzmq msgspec)
 
 mkdir -p "$DEST"
 specs=$("$PYTHON" - "${PACKAGES[@]}" <<'EOF'

@@ -463,3 +463,16 @@ def test_seeded_sampling_on_cuda_matches_cpu():
                           seeded_exponential(cpu.seeds, cpu.draw_index, vocab), rtol=1e-6, atol=0)
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 2
     assert Sampler(None)(logits.cuda(), gpu).token_ids == Sampler(None)(logits.clone(), cpu).token_ids
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_on_cuda_keeps_every_logprob_whatever_the_batch(tmp_path_factory, dtype):
+    """batch_invariant=True on CUDA (Triton products in fixed tiles, one attention tile size): the same
+    prompts alone, all at once, in 37-token chunks, on a warm prefix cache and preempted give the same
+    logprobs to the last bit, as the CPU's tests/test_batch_invariance.py asks of the CPU."""
+    from tests import test_batch_invariance as inv
+    path = inv._tiny_path(tmp_path_factory, "llama")
+    got = inv._scenarios(path, dtype, inv.PROMPTS, {**inv.TINY_ENGINE, "device": "cuda"})
+    assert inv._differences(got) == []
+    _free_gpu()
