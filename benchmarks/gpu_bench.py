@@ -12,7 +12,8 @@ reads each step's model time, the CUDA events the model runner records around th
 replay of its decode graph) and the LM head: the GPU's span of the step's model work, so wall - span is
 time the GPU waited on the host (inputs, scheduling, sampling, outputs). Decode steps replay CUDA graphs
 unless --enforce-eager (tidal/worker/cuda_graphs.py); the result says how many steps did. With
---async-scheduling each step is launched before the previous one is read (the engine's async_scheduling).
+asynchronous scheduling (the engine's default on CUDA; --no-async-scheduling turns it off) each step is
+launched before the previous one is read.
 `decode`: the median step of the single request's decode steps is the
 time per output token, compared with weight bytes / bandwidth (H200: 4.8 TB/s). `serve`: `tidal serve`
 on the dummy model (max_num_seqs = --num-prompts), then `tidal bench serve` sends --num-prompts random
@@ -20,7 +21,8 @@ token-id prompts of --prompt-len, --output-len out, all at once (so that many ar
 output throughput and TTFT / TPOT / end-to-end percentiles. Prints one JSON line starting with "RESULT "
 (and writes it to --output-json). --cprofile N (offline, decode): the timed run under cProfile, its N
 costliest functions by own time printed before the result (the host's share of a step, function by
-function; the figures of such a run are slower than without it).
+function; the figures of such a run are slower than without it). --torch-profile N (offline, decode): after
+the timed run, the same requests once more under torch.profiler, its N costliest GPU kernels printed.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def serve(args) -> None:
         "--max-num-seqs", str(args.max_num_seqs or n), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []),
         *(["--enforce-eager"] if args.enforce_eager else []),
-        *(["--async-scheduling"] if args.async_scheduling else []), dtype=args.dtype)
+        *([] if args.async_scheduling is None else
+          ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]), dtype=args.dtype)
     t0 = time.perf_counter()
     with sweep.serving(cmd, port, "tidal") as server:
         def stop(signum, frame):  # `timeout` stops this run: take the server (and its GPU memory) with it
@@ -75,7 +78,7 @@ def serve(args) -> None:
     keep = ("completed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
             "output_throughput", "total_token_throughput")
     result = {"case": "serve", "model": args.model, "dtype": args.dtype, "device": args.device,
-              "async_scheduling": args.async_scheduling,
+              "async_scheduling": args.async_scheduling,  # None: the engine's default
               "cuda_graphs": resolve_device(args.device) == "cuda" and not args.enforce_eager,
               "num_prompts": n, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -99,14 +102,18 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth for the decode floor")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step eager")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="launch each step while the previous one runs (the engine's async_scheduling)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="launch each step while the previous one runs (the engine's async_scheduling; default: "
+                         "the engine's, on for CUDA)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="the engine's (default: its own; serve: --num-prompts)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the engine's step budget (default: its own)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="offline/decode: profile the timed run's host work, print its N costliest functions")
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="N",
+                    help="offline/decode: after the timed run, the same requests again under torch.profiler; "
+                         "print its N costliest kernels by GPU time")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     if args.case == "serve":
@@ -132,6 +139,17 @@ def main() -> None:
         spans.append(out.model_time_s)
         return out
     PendingStep.result = timed_result
+
+    def kernel_table(reqs) -> None:  # the requests again under torch.profiler: the GPU's time, kernel by kernel
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps = run(reqs)[0]["steps"]
+        events = prof.key_averages()
+        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        total = sum(getattr(e, key) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"== torch.profiler: {steps} steps, GPU kernels {total / 1e3:.1f} ms in all, "
+              f"{total / 1e3 / steps:.3f} ms a step; top {args.torch_profile} by GPU time")
+        print(events.table(sort_by=key, row_limit=args.torch_profile, max_name_column_width=90))
 
     def run(reqs, profile: bool = False) -> dict:
         for i, r in enumerate(reqs):
@@ -179,6 +197,9 @@ def main() -> None:
         run(warm)
         llm.reset_prefix_cache()
         res, _ = run(reqs, profile=args.cprofile > 0)
+        if args.torch_profile:
+            llm.reset_prefix_cache()
+            kernel_table(reqs)
     else:
         rng = random.Random(0)
         vocab = engine.vocab_size
@@ -188,6 +209,8 @@ def main() -> None:
                      "max_tokens": args.output_len}]
         run(one())  # warm-up
         res, step_s = run(one(), profile=args.cprofile > 0)
+        if args.torch_profile:
+            kernel_table(one())
         decode = step_s[1:]  # the first step computes the prompt
         tpot = statistics.median(decode) * 1e3
         floor = engine.weight_bytes / (args.bandwidth_gbs * 1e9) * 1e3
@@ -196,7 +219,7 @@ def main() -> None:
                    tpot_over_floor=round(tpot / floor, 3))
     result = {"case": args.case, "model": args.model, "dtype": args.dtype, "device": str(runner.device),
               "attention": runner.attn_backend.name, "cuda_graphs": runner.decode_graphs is not None,
-              "async_scheduling": args.async_scheduling, "max_num_seqs": engine.config.max_num_seqs,
+              "async_scheduling": engine.config.async_scheduling, "max_num_seqs": engine.config.max_num_seqs,
               "max_num_batched_tokens": engine.max_num_batched_tokens, "cprofile": args.cprofile > 0,
               "gpu": torch.cuda.get_device_name(0) if cuda else None, **res}
     emit(result, args.output_json)

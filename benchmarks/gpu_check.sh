@@ -13,8 +13,9 @@
 #                 attention, fused norm / rotary + KV write / silu-and-mul against torch, the Triton
 #                 backend against torch_sdpa in the engine)
 #   offline_smollm2.json/.txt          benchmarks/gpu_bench.py --case offline on a SmolLM2-135M-shaped
-#                                      model (bundled config, load_format dummy, bf16): output tok/s, per-step
-#                                      wall, GPU span of the model and host time
+#                                      model (bundled config, load_format dummy, bf16, the engine's defaults
+#                                      on CUDA: CUDA graphs, asynchronous scheduling, 16,384-token steps):
+#                                      output tok/s, per-step wall, GPU span of the model and host time
 #   decode_llama3_8b.json/.txt         --case decode on a Llama-3-8B-shaped dummy model (bf16): one request,
 #                                      128 prompt -> 256 output tokens; time per output token against weight
 #                                      bytes / 4.8 TB/s
@@ -24,22 +25,22 @@
 #                                      percentiles
 #   offline_smollm2_cprofile.json/.txt the offline run again under cProfile (--cprofile 40): the host's
 #                                      costliest functions per step (slower than without)
-#   offline_smollm2_mbt8192.json       the offline run again with a step budget of 8,192 tokens (A/B of
-#                                      the CUDA default, 2,048)
-#   offline_smollm2_async.json         the offline run again with --async-scheduling (A/B)
-#   decode_llama3_8b_async.json        the decode run again with --async-scheduling
+#   decode_llama3_8b_kernels.json/.txt the decode run again eagerly, then under torch.profiler: its 30
+#                                      costliest GPU kernels (--torch-profile 30)
+#   offline_smollm2_sync.json          the offline run again with --no-async-scheduling (A/B)
+#   decode_llama3_8b_sync.json         the decode run again with --no-async-scheduling
+#   offline_smollm2_mbt2048.json       the offline run again with 2,048-token steps (A/B of the step budget)
 #   offline_smollm2_eager.json         the offline run again with --enforce-eager (no CUDA graphs: A/B)
-#   decode_llama3_8b_eager.json        the decode run again with --enforce-eager
 #   offline_smollm2_torch_sdpa.json    the offline run again with TIDAL_ATTENTION_BACKEND=torch_sdpa (A/B of
-#                                      the attention path; SKIP_BASELINE=1 skips the three A/B runs)
+#                                      the attention path; SKIP_BASELINE=1 skips the A/B runs)
 #   summary.txt   one line per step, also printed last
 #
 # Missing Python packages travel as wheels in gpu_wheels/ (made by benchmarks/gpu_wheels.sh; not
 # tracked by git, so a remote run must carry that folder). A wheel is installed, into a private
 # folder on PYTHONPATH, only where the machine has no such package or an older one.
 #
-# Time: not yet measured with the Triton kernels (their first compile adds seconds per kernel variant);
-# expected 5-7 minutes on an H200. Each step has a timeout, and no step runs past
+# Time: 356 s on an H200 (2026-12-04: the tests 112 s with their Triton compiles, each benchmark 15-45 s
+# with the engine's start-up). Each step has a timeout, and no step runs past
 # TOTAL_TIMEOUT (540 s) from the start, so a remote command limit of 600 s always gets the summary.
 #
 # Knobs (environment): PYTHON (default /opt/torch/.venv/bin/python3 if present, else python3),
@@ -47,7 +48,8 @@
 # the server's start with its graph capture and the serving run), BENCH_DEVICE (cuda),
 # BENCH_TINY=1 (a 2-layer config and a few requests: a smoke test of this script on a CPU, with
 # BENCH_DEVICE=cpu SKIP_TESTS=1), BENCH_ARGS (extra flags of gpu_bench.py), SKIP_TESTS=1, SKIP_BENCH=1,
-# SKIP_BASELINE=1.
+# SKIP_BASELINE=1, PYTEST_K (pytest's -k: only the tests it selects), ONLY (the names of the benchmark
+# runs to run, space-separated: the others are skipped).
 set -u
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -163,7 +165,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     if "$PYTHON" -c "import pytest_timeout" 2>/dev/null; then per_test="--timeout=90"; fi
     # shellcheck disable=SC2086  # per_test: empty or one flag
     timeout -k 5 "$(limit "$PYTEST_TIMEOUT")" "$PYTHON" -m pytest -q -rfEs --durations=12 -p no:cacheprovider \
-        $per_test tests/test_cuda.py tests/test_triton_kernels.py > "$OUT/pytest.txt" 2>&1
+        $per_test ${PYTEST_K:+-k "$PYTEST_K"} tests/test_cuda.py tests/test_triton_kernels.py > "$OUT/pytest.txt" 2>&1
     rc=$?
     tail -n 40 "$OUT/pytest.txt"
     step "tests/test_cuda.py + test_triton_kernels.py: $(grep -E '(passed|failed|error)' "$OUT/pytest.txt" | tail -n 1) (pytest.txt)" $rc
@@ -197,6 +199,7 @@ EOF
     bench() {  # bench NAME TIMEOUT ARGS...: one benchmarks/gpu_bench.py run, its RESULT line into NAME.json
         local name=$1 secs=$2
         shift 2
+        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
         echo "== gpu_bench $name: $* (timeout ${secs}s)"
         rm -f "$OUT/$name.json"
         # shellcheck disable=SC2086  # BENCH_ARGS: several flags
@@ -216,17 +219,19 @@ EOF
     # shellcheck disable=SC2086
     bench offline_smollm2_cprofile "$BENCH_TIMEOUT" --case offline --model "$SMALL" --cprofile 40 $offline_args
     # shellcheck disable=SC2086
-    bench offline_smollm2_mbt8192 "$BENCH_TIMEOUT" --case offline --model "$SMALL" --max-num-batched-tokens 8192 \
-        $offline_args
-    # shellcheck disable=SC2086
-    bench offline_smollm2_async "$BENCH_TIMEOUT" --case offline --model "$SMALL" --async-scheduling $offline_args
-    # shellcheck disable=SC2086
-    bench decode_llama3_8b_async "$BENCH_TIMEOUT" --case decode --model "$LARGE" --async-scheduling $decode_args
-    if [ "${SKIP_BASELINE:-0}" != 1 ]; then  # A/B: without CUDA graphs; through torch's attention path
+    bench decode_llama3_8b_kernels "$BENCH_TIMEOUT" --case decode --model "$LARGE" --enforce-eager \
+        --torch-profile 30 $decode_args
+    if [ "${SKIP_BASELINE:-0}" != 1 ]; then  # A/B: synchronous steps, the smaller step budget, no CUDA graphs,
+        # torch's attention path
+        # shellcheck disable=SC2086
+        bench offline_smollm2_sync "$BENCH_TIMEOUT" --case offline --model "$SMALL" --no-async-scheduling $offline_args
+        # shellcheck disable=SC2086
+        bench decode_llama3_8b_sync "$BENCH_TIMEOUT" --case decode --model "$LARGE" --no-async-scheduling $decode_args
+        # shellcheck disable=SC2086
+        bench offline_smollm2_mbt2048 "$BENCH_TIMEOUT" --case offline --model "$SMALL" --max-num-batched-tokens 2048 \
+            $offline_args
         # shellcheck disable=SC2086
         bench offline_smollm2_eager "$BENCH_TIMEOUT" --case offline --model "$SMALL" --enforce-eager $offline_args
-        # shellcheck disable=SC2086
-        bench decode_llama3_8b_eager "$BENCH_TIMEOUT" --case decode --model "$LARGE" --enforce-eager $decode_args
         # shellcheck disable=SC2086
         TIDAL_ATTENTION_BACKEND=torch_sdpa bench offline_smollm2_torch_sdpa "$BENCH_TIMEOUT" --case offline \
             --model "$SMALL" $offline_args

@@ -326,9 +326,13 @@ def test_a_forward_never_waits_on_the_gpu(tiny_model_dir):
     _free_gpu()
 
 
+GRAPH_MAX_MODEL_LEN = 96  # the longest request: 43 prompt + 32 generated tokens
+
+
 def _graph_workload(tiny_model_dir):
     """(model folder, prompts, params, KV bytes) of the graph tests: 7 greedy requests of different lengths,
-    one extending another's prompt (a prefix hit), in a cache of 30 blocks of 4 (preemptions)."""
+    one extending another's prompt (a prefix hit), in a cache of 30 blocks of 4 (preemptions), which holds
+    one request of GRAPH_MAX_MODEL_LEN."""
     prompts = random_prompts(6, 10, 40, 512, seed=5)
     prompts.append(prompts[0] + [7, 8, 9])
     params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logprobs=2)
@@ -355,8 +359,8 @@ def test_cuda_graphs_replay_decodes_with_the_eager_tokens(ieee_fp32, tiny_model_
     path, prompts, params, kv_bytes = _graph_workload(tiny_model_dir)
     results = {}
     for eager in (True, False):
-        llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=128, max_num_seqs=8, enforce_eager=eager,
-                       kv_cache_memory_bytes=kv_bytes)
+        llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=GRAPH_MAX_MODEL_LEN, max_num_seqs=8,
+                       enforce_eager=eager, kv_cache_memory_bytes=kv_bytes)
         engine = llm.llm_engine
         graphs = engine.runner.decode_graphs
         assert (graphs is None) == eager
@@ -407,7 +411,7 @@ def test_async_scheduling_launches_without_waiting_and_equals_sync_steps(ieee_fp
     path, prompts, params, kv_bytes = _graph_workload(tiny_model_dir)
     results = {}
     for asynchronous in (False, True):
-        llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=128, max_num_seqs=8,
+        llm = tiny_llm(path, device="cuda", block_size=4, max_model_len=GRAPH_MAX_MODEL_LEN, max_num_seqs=8,
                        enforce_eager=not asynchronous, async_scheduling=asynchronous,
                        kv_cache_memory_bytes=kv_bytes)
         engine = llm.llm_engine

@@ -275,28 +275,6 @@ def test_invariant_linear_matches_the_product_and_on_a_gpu_does_not_depend_on_th
             assert torch.equal(part, full[rows]), rows
 
 
-@pytest.mark.skipif(not ON_GPU, reason="runs the engine on a CUDA device (benchmarks/gpu_check.sh)")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_invariant_mode_on_cuda(tiny_model_dir, dtype):
-    """On a GPU, batch_invariant=True: each request's logprobs the same alone, in a batch, and with a
-    37-token step budget (chunk boundaries elsewhere, mixed with others' decodes)."""
-    from tests.helpers import random_prompts
-    from tidal import LLM, SamplingParams
-    prompts = random_prompts(24, 3, 60, 256, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-
-    def run(llm, idx):
-        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx], params, use_tqdm=False)
-        return [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-    path = tiny_model_dir("llama")
-    llm = LLM(path, device="cuda", dtype=dtype, batch_invariant=True, max_model_len=128, block_size=16)
-    alone = [run(llm, [i])[0] for i in range(len(prompts))]
-    assert run(llm, list(range(len(prompts)))) == alone
-    chunked = LLM(path, device="cuda", dtype=dtype, batch_invariant=True, max_model_len=128,
-                  block_size=16, max_num_batched_tokens=37)
-    assert run(chunked, list(range(len(prompts)))) == alone
-
-
 # -- CUDA graphs of decode steps, with a stand-in for the graph on a CPU ----------------------------
 
 class ReplayedCall:

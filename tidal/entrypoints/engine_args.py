@@ -63,10 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (on CUDA, decode steps otherwise replay graphs "
                         "captured at start-up; a CPU runs eagerly either way)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and queue each step while the previous one runs, reading its tokens after (on "
                         "CUDA the GPU does not wait for the host between steps; on a CPU no gain). Not with "
-                        "speculative decoding or tensor/pipeline parallelism")
+                        "speculative decoding or tensor/pipeline parallelism. Default: on where it applies on "
+                        "CUDA, off elsewhere; --no-async-scheduling turns it off")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                    help="tensor-parallel ranks, one process each (default 1)")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
