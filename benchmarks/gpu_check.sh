@@ -14,7 +14,7 @@
 #                 backend against torch_sdpa in the engine)
 #   offline_smollm2.json/.txt          benchmarks/gpu_bench.py --case offline on a SmolLM2-135M-shaped
 #                                      model (bundled config, load_format dummy, bf16, the engine's defaults
-#                                      on CUDA: CUDA graphs, asynchronous scheduling, 16,384-token steps):
+#                                      on CUDA: CUDA graphs, asynchronous scheduling, 2,048-token steps):
 #                                      output tok/s, per-step wall, GPU span of the model and host time
 #   decode_llama3_8b.json/.txt         --case decode on a Llama-3-8B-shaped dummy model (bf16): one request,
 #                                      128 prompt -> 256 output tokens; time per output token against weight
@@ -29,7 +29,7 @@
 #                                      costliest GPU kernels (--torch-profile 30)
 #   offline_smollm2_sync.json          the offline run again with --no-async-scheduling (A/B)
 #   decode_llama3_8b_sync.json         the decode run again with --no-async-scheduling
-#   offline_smollm2_mbt2048.json       the offline run again with 2,048-token steps (A/B of the step budget)
+#   offline_smollm2_mbt16384.json      the offline run again with 16,384-token steps (A/B of the step budget)
 #   offline_smollm2_eager.json         the offline run again with --enforce-eager (no CUDA graphs: A/B)
 #   offline_smollm2_torch_sdpa.json    the offline run again with TIDAL_ATTENTION_BACKEND=torch_sdpa (A/B of
 #                                      the attention path; SKIP_BASELINE=1 skips the A/B runs)
@@ -228,7 +228,7 @@ EOF
         # shellcheck disable=SC2086
         bench decode_llama3_8b_sync "$BENCH_TIMEOUT" --case decode --model "$LARGE" --no-async-scheduling $decode_args
         # shellcheck disable=SC2086
-        bench offline_smollm2_mbt2048 "$BENCH_TIMEOUT" --case offline --model "$SMALL" --max-num-batched-tokens 2048 \
+        bench offline_smollm2_mbt16384 "$BENCH_TIMEOUT" --case offline --model "$SMALL" --max-num-batched-tokens 16384 \
             $offline_args
         # shellcheck disable=SC2086
         bench offline_smollm2_eager "$BENCH_TIMEOUT" --case offline --model "$SMALL" --enforce-eager $offline_args

@@ -264,3 +264,20 @@ def test_preempted_jamba_run_with_state_checkpoints(tmp_path, monkeypatch):
     assert scheduler.num_preemptions > 0 and scheduler.state_checkpoints.num_hits > 0 and watch.fed_steps > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert scheduler.state_pool.num_free_slots == scheduler.state_pool.num_slots
+
+
+def test_steps_while_idle_hand_every_finished_request_back_to_the_runner(tiny_model_dir, prompts):
+    """A served engine is stepped while it has nothing to run: the requests that finished with the last
+    read must still leave the runner's input batch then (no later launch carries them), or its rows run
+    out after a few rounds of max_num_seqs requests ("no free row in the input batch")."""
+    llm = tiny_llm(tiny_model_dir("llama"), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                   async_scheduling=True)
+    engine = llm.llm_engine
+    rows = len(engine.runner.input_batch.free_rows)
+    for rnd in range(3):
+        params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(4)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[4 * rnd:4 * rnd + 4]], params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5, 7, 9]
+        assert engine.step() == []  # idle
+        assert not engine.runner.input_batch.requests and len(engine.runner.input_batch.free_rows) == rows
+        assert_engine_idle(engine)

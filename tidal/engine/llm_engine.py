@@ -212,16 +212,11 @@ class LLMEngine:
 
     def _max_num_batched_tokens(self) -> int:
         """The token budget of a step: as given, else max(base, max_num_seqs), base being vLLM's default on
-        the device (step_tokens_default): on a CPU 4096 for the offline `LLM` (fewer, larger prompt steps: 64
-        prompts of 256 -> 128 tokens 6% faster than with 2048, docs/cpu.md) and 2048 for a server; on a GPU
-        of 70 GiB or more 16384 and 8192, on a smaller one 8192 and 2048. Without chunked prefill (as vLLM)
-        at least max_model_len, so that any prompt fits one step whole."""
+        the device: 4096 for the offline `LLM` on a CPU (fewer, larger prompt steps: 64 prompts of 256 ->
+        128 tokens 6% faster than with 2048, docs/cpu.md), 2048 otherwise (a server, and any CUDA engine).
+        Without chunked prefill (as vLLM) at least max_model_len, so that any prompt fits one step whole."""
         c = self.config
-        gib = None
-        if c.device.startswith("cuda"):
-            import torch
-            gib = torch.cuda.get_device_properties(torch.device(c.device)).total_memory / 2**30
-        base = step_tokens_default(c.device == "cpu", self.offline, gib)
+        base = step_tokens_default(c.device == "cpu", self.offline)
         if c.enable_chunked_prefill:
             return c.max_num_batched_tokens or max(base, c.max_num_seqs)
         if c.max_num_batched_tokens is None:
@@ -446,6 +441,10 @@ class LLMEngine:
         if pending is not None and pending.needs_tokens:  # the next step needs its tokens on the host first
             outputs, pending = self._finish_async(pending), None
         batch = self.scheduler.schedule()
+        if not batch.scheduled and (batch.finished_ids or batch.preempted_ids):
+            # no launch carries these deltas to the runner: it drops the requests now, or their input-batch
+            # rows would stay held (an engine polled while idle would run out of rows)
+            self.runner.update_states(batch)
         if not batch.scheduled and pending is None:
             self._wait_for_a_grammar()
         launched = None

@@ -54,9 +54,9 @@ class EngineSettings:
             return self
         return replace(self, max_num_seqs=max_num_seqs_default(device.kind == "cpu", self.served))
 
-    def step_budget(self, max_model_len: int, cpu: bool = False, gpu_memory_gib: float | None = None) -> int:
+    def step_budget(self, max_model_len: int, cpu: bool = False) -> int:
         """The engine's rule (LLMEngine._max_num_batched_tokens), on settings for_device resolved."""
-        base = step_tokens_default(cpu, offline=not self.served, gpu_memory_gib=gpu_memory_gib)
+        base = step_tokens_default(cpu, offline=not self.served)
         if self.enable_chunked_prefill:
             return self.max_num_batched_tokens or max(base, self.max_num_seqs)
         return max(self.max_num_batched_tokens or 0, base, self.max_num_seqs, max_model_len)
@@ -162,8 +162,7 @@ class Simulation:
         pool = StatePool(plan.num_state_slots) if plan.num_state_slots else None
         checkpoints = StateCheckpoints(plan.num_state_slots, plan.num_state_slots) \
             if pool is not None and settings.enable_prefix_caching else None
-        cpu = device.kind == "cpu"
-        budget = settings.step_budget(self.max_model_len, cpu, None if cpu else device.memory_bytes / 2**30)
+        budget = settings.step_budget(self.max_model_len, device.kind == "cpu")
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, budget,
                                    self.max_model_len, state_pool=pool, state_checkpoints=checkpoints,
                                    enable_chunked_prefill=settings.enable_chunked_prefill)
