@@ -60,14 +60,14 @@ def _reference(q, k_cache, v_cache, table, qsl, seq_lens, scale, k_scale, v_scal
 
 
 def _check(q_lens, ctx_lens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32,
-           cache_dtype=None, tile_n=16):
+           cache_dtype=None, tile_n=16, num_splits=None):
     cache_dtype = cache_dtype or dtype
     q, kc, vc, table, qsl, seq_lens, k_scale, v_scale = _batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim,
                                                                block_size, dtype, cache_dtype)
     scale = head_dim ** -0.5
     want = _reference(q, kc, vc, table, qsl, seq_lens, scale, k_scale, v_scale)
     dev = [t.to(DEVICE) for t in (q, kc, vc, table, qsl, seq_lens)]
-    got = paged_attention(*dev, scale, max(q_lens), k_scale, v_scale, tile_n=tile_n).cpu()
+    got = paged_attention(*dev, scale, max(q_lens), k_scale, v_scale, tile_n=tile_n, num_splits=num_splits).cpu()
     tol = TOL[dtype]  # an FP8 cache: the reference dequantizes the same bytes
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -118,6 +118,35 @@ def test_paged_attention_half_precision(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_fp8_cache_with_scales(dtype):
     _check([1, 5], [6, 2], dtype=dtype, cache_dtype=FP8)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 16])
+def test_paged_attention_decode_keys_split_over_programs(num_splits):
+    """Decode-only batches split each request's keys over num_splits programs (whole key tiles each, so
+    short requests leave some programs without keys) and combine their partial softmaxes: the same as one
+    program per request and KV head. Contexts of 0 to 70 keys, tiles of 16."""
+    _check([1, 1, 1, 1], [0, 6, 37, 70], num_splits=num_splits)
+    _check([1, 1, 1], [40, 70, 3], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, tile_n=32,
+           dtype=torch.bfloat16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_split_decode_with_an_fp8_cache(dtype):
+    _check([1, 1], [6, 45], dtype=dtype, cache_dtype=FP8, num_splits=4)  # v_scale applied once, in the combine
+
+
+def test_keys_are_split_only_for_decode_only_batches_and_never_in_batch_invariant_mode(monkeypatch):
+    from tidal.layers.attention import triton_attention as ta
+    monkeypatch.setattr(ta, "_multiprocessors", lambda device: 132)  # an H200
+    cuda = torch.device("cuda")
+    assert ta.num_kv_splits(8, 1, cuda) == ta.MAX_SPLITS            # one request of the 8B shape: 8 programs
+    assert ta.num_kv_splits(132, 1, cuda) == 2
+    assert ta.num_kv_splits(2560, 1, cuda) == 1                     # 256 decodes: programs enough
+    assert ta.num_kv_splits(8, 20, cuda) == 1                       # a prompt chunk in the batch
+    monkeypatch.setattr(ta, "batch_invariant", lambda: True)
+    assert ta.num_kv_splits(8, 1, cuda) == 1                        # a token's sums must not depend on the batch
+    with pytest.raises(ValueError, match="num_splits 4"):
+        _check([1, 3], [5, 2], num_splits=4)
 
 
 # -- fused layer kernels -----------------------------------------------------------------------------

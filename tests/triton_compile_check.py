@@ -39,18 +39,29 @@ def _compile(fn, pointers: dict, scalars: dict, constexprs: dict, target) -> str
 
 def variants():
     """(label, kernel, pointer types, scalar types, constexprs): the shapes the engine launches."""
-    for dt, cache, group, head_dim, block_m in [("bf16", "bf16", 3, 64, 16), ("bf16", "bf16", 3, 64, 64),
-                                                ("bf16", "bf16", 4, 128, 16), ("bf16", "bf16", 4, 128, 64),
-                                                ("fp16", "fp16", 4, 128, 64), ("fp32", "fp32", 2, 16, 64),
-                                                ("bf16", "u8", 4, 128, 16), ("bf16", "u8", 4, 128, 64)]:
-        yield (f"paged_attention q {dt} cache {cache} group {group} head_dim {head_dim} BLOCK_M {block_m}",
+    for dt, cache, group, head_dim, block_m, splits in [
+            ("bf16", "bf16", 3, 64, 16, 1), ("bf16", "bf16", 3, 64, 16, 16), ("bf16", "bf16", 3, 64, 64, 1),
+            ("bf16", "bf16", 4, 128, 16, 1), ("bf16", "bf16", 4, 128, 16, 16), ("bf16", "bf16", 4, 128, 16, 3),
+            ("bf16", "bf16", 4, 128, 64, 1), ("fp16", "fp16", 4, 128, 64, 1), ("fp16", "fp16", 4, 128, 16, 8),
+            ("fp32", "fp32", 2, 16, 64, 1), ("fp32", "fp32", 2, 16, 16, 4), ("bf16", "u8", 4, 128, 16, 1),
+            ("bf16", "u8", 4, 128, 16, 16), ("bf16", "u8", 4, 128, 64, 1)]:
+        yield (f"paged_attention q {dt} cache {cache} group {group} head_dim {head_dim} BLOCK_M {block_m} "
+               f"splits {splits}",
                triton_attention._paged_attention_kernel,
                {"out_ptr": f"*{dt}", "q_ptr": f"*{dt}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
-                "block_table_ptr": "*i64", "query_start_loc_ptr": "*i64", "seq_lens_ptr": "*i64"},
+                "block_table_ptr": "*i64", "query_start_loc_ptr": "*i64", "seq_lens_ptr": "*i64",
+                "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
                {"qk_scale": "fp32", "v_scale": "fp32", "num_reqs": "i32"},
                dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
                     BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=32, FP8_CACHE=cache == "u8",
-                    DOT_PRECISION="ieee" if dt == "fp32" else None, DOT_DTYPE=DTYPES[dt]))
+                    DOT_PRECISION="ieee" if dt == "fp32" else None, DOT_DTYPE=DTYPES[dt], NUM_SPLITS=splits))
+    for dt, head_dim, splits in [("bf16", 64, 16), ("bf16", 128, 16), ("bf16", 128, 3), ("fp16", 128, 8),
+                                 ("fp32", 16, 4)]:
+        yield (f"combine_splits {dt} head_dim {head_dim} splits {splits}", triton_attention._combine_splits_kernel,
+               {"out_ptr": f"*{dt}", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"},
+               {"v_scale": "fp32"},
+               dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), NUM_SPLITS=splits,
+                    SPLITS_PAD=max(2, triton.next_power_of_2(splits))))
     for dt in ("bf16", "fp16", "fp32"):
         for residual in (False, True):
             yield (f"rms_norm {dt} residual {residual}", triton_kernels._rms_norm_kernel,
