@@ -10,6 +10,12 @@ are [query_start_loc[r], query_start_loc[r + 1]) sits at position seq_lens[r] - 
 keys at positions <= its own: the prefix cached by earlier steps and, causally, the chunk itself (this
 step's K/V are in the cache before the kernel runs). A decode is a chunk of one token.
 
+A batch of decodes too small to give every multiprocessor PROGRAMS_PER_SM programs (one request's decode
+is one program per KV head) splits each request's keys into NUM_SPLITS shares of whole key tiles, one
+program each; _combine_splits_kernel then rescales the shares' partial sums to their common max and adds
+them (flash-decoding). The number of shares depends on the batch's shape only, never on its lengths, so
+a CUDA graph captured for a batch size serves every context length.
+
 Scores and the running softmax are fp32 (exp2, online max); K/V tiles are widened to q's dtype before
 the dot products (fp32 under the interpreter). An FP8 (E4M3) cache is read as bytes, bitcast, widened
 (exact: E4M3 fits bf16, fp16 and fp32), and its k_scale folded into the softmax scale, v_scale into the
