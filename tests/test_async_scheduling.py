@@ -186,6 +186,23 @@ def test_refused_where_it_cannot_run():
         EngineConfig(async_scheduling="yes")
 
 
+def test_on_by_default_on_cuda_where_it_applies_and_off_elsewhere(monkeypatch):
+    """async_scheduling=None (the default) resolves to True on CUDA with the model in the engine's process
+    and no speculative decoding, False on a CPU, with speculative decoding and with worker processes;
+    False stays off on CUDA."""
+    from tidal import config
+    from tidal.config import EngineConfig
+    monkeypatch.setattr(config, "resolve_device", lambda d: "cpu" if d == "auto" else d)  # "cuda" without a GPU
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert EngineConfig(device="cuda").async_scheduling is True
+    assert EngineConfig(device="cuda:1").async_scheduling is True
+    assert EngineConfig(device="cpu").async_scheduling is False
+    assert EngineConfig(device="cuda", speculative_config=ngram).async_scheduling is False
+    assert EngineConfig(device="cuda", tensor_parallel_size=2).async_scheduling is False
+    assert EngineConfig(device="cuda", distributed_executor_backend="mp").async_scheduling is False
+    assert EngineConfig(device="cuda", async_scheduling=False).async_scheduling is False
+
+
 def test_grammars_stop_strings_and_eos_on_the_default_model(smollm2, monkeypatch):
     """Grammar requests read their last token before their next bitmask; the others run ahead and stop at
     EOS or at a stop string one step late, with the same text."""
