@@ -180,15 +180,11 @@ PROGRAMS_PER_SM = 2
 MAX_SPLITS = 16
 
 
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # Triton's interpreter on a CPU: a few splits, so that the tests run the split path
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def num_kv_splits(programs: int, max_query_len: int, device: torch.device) -> int:
@@ -233,8 +229,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_pad = max(16, triton.next_power_of_2(head_dim))
     v_scale = v_scale if fp8 else 1.0
     if num_splits > 1:
-        part_m = torch.empty(T, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+        part_m, part_l = torch.empty(2, T, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(T, num_heads, num_splits, head_pad, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # not read
