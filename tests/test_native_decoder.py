@@ -21,23 +21,25 @@ def _decoder(llm: LLM) -> NativeDecoder | None:
     return llm.llm_engine.runner.model.model._native_decoder()
 
 
-def _run(llm: LLM, prompts: list[list[int]]):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = PARAMS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = [lp.logprob for o in outs for step in o.outputs[0].logprobs for lp in step.values()]
-    logprobs += [lp.logprob for o in outs for step in o.prompt_logprobs[1:] for lp in step.values()]
+    logprobs += [lp.logprob for o in outs for step in (o.prompt_logprobs or [None])[1:] for lp in step.values()]
     return tokens, torch.tensor(logprobs)
 
 
-def _native_equals_python(llm: LLM, prompts: list[list[int]], expect_native: bool = True) -> None:
+def _native_equals_python(llm: LLM, prompts: list[list[int]], expect_native: bool = True,
+                          params: SamplingParams = PARAMS) -> NativeDecoder:
     decoder = _decoder(llm)
     assert decoder is not None
-    native = _run(llm, prompts)
+    native = _run(llm, prompts, params)
     assert (decoder.calls > 0) == expect_native
     llm.llm_engine.runner.model.model._native[:] = [None]  # the Python layers from here on
-    python = _run(llm, prompts)
+    python = _run(llm, prompts, params)
     assert native[0] == python[0]
     assert torch.equal(native[1], python[1])
+    return decoder
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,20 @@ def test_native_decoder_on_bf16_weights_under_fp32_activations(llama_bf16):
         layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
         assert layer.weight.bf16_packed and llm.llm_engine.dtype == torch.float32  # bf16, packed at load
         _native_equals_python(llm, _prompts())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_the_last_layer_runs_only_for_the_rows_that_sample(llama_bf16, dtype):
+    """Without prompt logprobs a step reads back only its sampled rows, and the native stage runs its last
+    layer's attention and MLP for those alone: prompt chunks that sample nothing (12-token steps over
+    7-40-token prompts), prompts finishing beside decodes. Every sampled logprob stays bitwise that of the
+    full Python layers."""
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    with isa_override("avx2"):
+        llm = LLM(llama_bf16, dtype=dtype, max_num_batched_tokens=12, enable_prefix_caching=False,
+                  kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+        decoder = _native_equals_python(llm, _prompts(), params=params)
+    assert decoder.picked_calls > 0 and decoder.empty_calls > 0
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,10 @@ class ForwardContext:
     # batch-invariant mode (EngineConfig.batch_invariant): layers take only kernels whose result for a row
     # does not depend on the other rows, the chunking or the step (docs/batch_invariance.md)
     batch_invariant: bool = False
+    # the rows of the step whose hidden states are read after the forward (the sampled ones), in order, or
+    # None (every row). A model may then run its last layer's attention and MLP for these rows alone and
+    # return hidden states for them only (hidden.shape[0] == len(output_rows)); the caller checks which.
+    output_rows: list[int] | None = None
     attn_backend: Any = None           # tidal/layers/attention/backends.py
     attn_metadata: Any = None          # what that backend built for this step
     # models with Mamba layers: per request in batch order

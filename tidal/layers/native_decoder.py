@@ -69,7 +69,7 @@ class _Model(Structure):
 def _configure(lib: ctypes.CDLL) -> None:
     lib.tidal_decoder_forward.restype = ctypes.c_int
     lib.tidal_decoder_forward.argtypes = ([c_void_p, c_void_p, c_void_p, ctypes.c_int] + [c_void_p] * 5
-                                          + [c_int64])
+                                          + [c_int64, c_void_p, c_int64])
 
 
 _LIB = NativeLibrary("decoder", os.path.join(os.path.dirname(__file__), "csrc", "decoder.cpp"),
@@ -181,6 +181,8 @@ class NativeDecoder:
         self.layers, self.dtype = layers, dtype
         self._plans: dict = {}
         self.calls = 0  # forwards run natively (tests and benchmarks read it)
+        self.picked_calls = 0  # of which returned only their output rows (ForwardContext.output_rows)
+        self.empty_calls = 0  # of which had none to return
 
     @staticmethod
     def for_model(model) -> NativeDecoder | None:
@@ -256,10 +258,11 @@ class NativeDecoder:
         model._keep = (array, rotary)
         return model
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                last_stage: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stage's layers over hidden [T, H] (and the residual coming in): (hidden, residual) as the
-        last layer returns them, or None where the Python layers must run."""
+        last layer returns them, or None where the Python layers must run. On the last stage, where the
+        forward context names its output rows (ForwardContext.output_rows), only those rows come back."""
         ctx = forward_context._CONTEXT
         T = hidden.shape[0]
         if (ctx is None or _SUSPENDED[0] or type(ctx.attn_backend) is not CPUNativeBackend or not 1 <= T <= MAX_TOKENS
@@ -284,12 +287,18 @@ class NativeDecoder:
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in (table, slots, rows, lens, positions)):
             return None
         plan.max_blocks = table.shape[1]
+        n = None if not last_stage or ctx.output_rows is None else len(ctx.output_rows)
+        picked = None if n is None else torch.tensor(list(ctx.output_rows) or [0], dtype=torch.int64)
         out = hidden.contiguous().clone()
         res = torch.empty_like(out) if residual is None else residual.contiguous().clone()
         if lib.tidal_decoder_forward(ctypes.addressof(plan), out.data_ptr(), res.data_ptr(), residual is not None,
                                      positions.data_ptr(), slots.data_ptr(), table.data_ptr(), rows.data_ptr(),
-                                     lens.data_ptr(), T):
+                                     lens.data_ptr(), T, _ptr(picked), n or 0):
             self._plans[key] = None  # a kernel refused: this kind of step keeps the Python layers
             return None
         self.calls += 1
+        if n is not None:
+            self.picked_calls += 1
+            self.empty_calls += n == 0
+            return out[:n], res[:n]
         return out, res

@@ -117,7 +117,8 @@ class LlamaModel(nn.Module):
             hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype,
                                               device=input_ids.device)
         native = self._native_decoder()
-        fused = None if native is None else native.forward(hidden, residual, positions)
+        fused = None if native is None else native.forward(hidden, residual, positions,
+                                                           last_stage=self.norm is not None)
         if fused is not None:
             hidden, residual = fused
         else:

@@ -388,19 +388,6 @@ class ModelRunner:
         self._clock.reset()
         step = self.input_batch.prepare(scheduled)
         fill = self._ids_from_last_step(step, so.from_last_step) if so is not None and so.from_last_step else None
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.takes(step):  # a decode-only step: its CUDA graph
-            with self._clock.timed():
-                hidden = graphs.run(step, fill)
-        else:
-            input_ids, positions = self._model_inputs(step)
-            if fill is not None:
-                input_ids.index_copy_(0, *fill)  # (on CPU the step's staging buffer, rewritten every step)
-            with set_forward_context(self._forward_context(step)), self._clock.timed():
-                hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
-        if not compute_logits:  # a pipeline stage before the last: the executor times the whole pipeline
-            return PendingStep()
-
         # rows whose logits we need: each sampling request's last known token and its drafts
         reqs, starts = step.reqs, step.query_start_loc
         sample_reqs = [(i, r) for i, r in enumerate(reqs) if r.sample]
@@ -412,11 +399,30 @@ class ModelRunner:
                 k = len(r.spec_token_ids)
                 first = int(starts[i + 1]) - 1 - k
                 rows.extend(range(first, first + k + 1))
+        want_prompt_logprobs = [i for i, r in enumerate(reqs) if self._wants_prompt_logprobs(r)]
+        # the model may leave out the other rows' last layer when nothing reads them (ForwardContext.output_rows)
+        output_rows = (rows if compute_logits and not want_prompt_logprobs and len(rows) < step.num_tokens
+                       else None)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.takes(step):  # a decode-only step: its CUDA graph
+            with self._clock.timed():
+                hidden = graphs.run(step, fill)
+        else:
+            input_ids, positions = self._model_inputs(step)
+            if fill is not None:
+                input_ids.index_copy_(0, *fill)  # (on CPU the step's staging buffer, rewritten every step)
+            ctx = self._forward_context(step)
+            ctx.output_rows = output_rows
+            with set_forward_context(ctx), self._clock.timed():
+                hidden = self.model(input_ids, positions)  # [num_tokens or len(output_rows), hidden]
+        if not compute_logits:  # a pipeline stage before the last: the executor times the whole pipeline
+            return PendingStep()
+
         out = PendingStep(sample_reqs=[r for _, r in sample_reqs])
         drawn = []
         if rows:
-            # every token samples (decodes): no gather
-            picked = hidden if len(rows) == step.num_tokens else hidden[self._on_device(list(rows))]
+            # every token samples (decodes), or the model returned only those rows: no gather
+            picked = hidden if hidden.shape[0] == len(rows) else hidden[self._on_device(list(rows))]
             greedy = self._plain_greedy(so, out.sample_reqs)
             if greedy and (tokens := self._greedy_tokens(picked)) is not None:
                 drawn, out.drawn = tokens, tokens
@@ -428,9 +434,9 @@ class ModelRunner:
                 out.drawn = drawn if isinstance(drawn, list) else HostCopy(
                     read_back_tensors(drawn, raw_logprobs, meta.num_logprobs))
         self._last_draw = (drawn, out.sample_reqs)
-        for i, r in enumerate(reqs):
-            if self._wants_prompt_logprobs(r):
-                out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, int(starts[i]))
+        for i in want_prompt_logprobs:
+            r = reqs[i]
+            out.prompt_logprobs[r.request_id] = self._prompt_logprobs(r, hidden, int(starts[i]))
         out.clock = self._clock.detach()
         return out
 

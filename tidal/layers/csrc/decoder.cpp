@@ -101,7 +101,7 @@ extern "C" {
 // redo: the KV writes are idempotent).
 int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_residual, const int64_t* positions,
                           const int64_t* slots, const int64_t* block_table, const int64_t* token_rows,
-                          const int64_t* seq_lens, int64_t T) {
+                          const int64_t* seq_lens, int64_t T, const int64_t* out_rows, int64_t n_out) {
   const int64_t es = m->dtype == 0 ? 4 : 2;
   const int64_t H = m->hidden, D = m->head_dim, hq = m->hq, hk = m->hk;
   const int64_t q_size = hq * D, kv_size = hk * D, qkv_size = q_size + 2 * kv_size, I = m->inter;
@@ -137,6 +137,8 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
   void* h = hidden;
   void* res = residual;
   void* res_other = res2;
+  int64_t R = T;  // the rows carried on: T, or n_out from the last layer's attention on
+  std::vector<int64_t> picked_rows, picked_lens;
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const Layer& L = m->layers[l];
     if (l == 0 && !has_residual) {
@@ -153,18 +155,46 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
     write_kv(k, q_size + kv_size, v, qkv_size, slots, L.k_cache, L.v_cache, T, hk, D, m->block_size, dt,
              L.kv_dtype, L.k_scale, L.v_scale, L.k_shift, th);
     // the queries are read in place from the [q | k] rows
-    attention(qk, q_size + kv_size, L.k_cache, L.v_cache, block_table, token_rows, seq_lens, attn, T, hq, hk, D,
-              m->block_size, m->max_blocks, m->scale, dt, L.kv_dtype, L.k_scale, L.v_scale, th);
-    if (run_linear(L.o, attn, out, T, dt, th)) return 1;
-    rms_norm(out, res, L.post_norm, normed, res_other, T, H, m->eps, dt, th);
+    const void* q = qk;
+    int64_t q_stride = q_size + kv_size;
+    const int64_t* rows = token_rows;
+    const int64_t* lens = seq_lens;
+    if (out_rows != nullptr && l == m->num_layers - 1) {
+      // only the rows read after the stage go on: their queries into the qkv buffer (free once the KV
+      // write has read it), their residuals compacted, their attention spans picked
+      R = n_out;
+      picked_rows.resize(R);
+      picked_lens.resize(R);
+      uint8_t* qdst = static_cast<uint8_t*>(qkv);
+      uint8_t* rdst = static_cast<uint8_t*>(res_other);
+      for (int64_t j = 0; j < R; ++j) {
+        const int64_t t = out_rows[j];
+        if (t < 0 || t >= T) return 1;
+        std::memcpy(qdst + j * q_size * es, static_cast<const uint8_t*>(qk) + t * q_stride * es, q_size * es);
+        std::memcpy(rdst + j * H * es, static_cast<const uint8_t*>(res) + t * H * es, H * es);
+        picked_rows[j] = token_rows[t];
+        picked_lens[j] = seq_lens[t];
+      }
+      std::swap(res, res_other);
+      q = qkv;
+      q_stride = q_size;
+      rows = picked_rows.data();
+      lens = picked_lens.data();
+      if (R == 0) break;  // nothing to read back: the layer's K and V were all it had to give
+    }
+    attention(q, q_stride, L.k_cache, L.v_cache, block_table, rows, lens, attn, R, hq, hk, D, m->block_size,
+              m->max_blocks, m->scale, dt, L.kv_dtype, L.k_scale, L.v_scale, th);
+    if (run_linear(L.o, attn, out, R, dt, th)) return 1;
+    rms_norm(out, res, L.post_norm, normed, res_other, R, H, m->eps, dt, th);
     std::swap(res, res_other);
-    if (run_linear(L.gate_up, normed, gate_up, T, dt, th)) return 1;
-    if (silu(gate_up, act, T, I, dt, th)) return 1;
-    if (run_linear(L.down, act, out, T, dt, th)) return 1;
+    if (run_linear(L.gate_up, normed, gate_up, R, dt, th)) return 1;
+    if (silu(gate_up, act, R, I, dt, th)) return 1;
+    if (run_linear(L.down, act, out, R, dt, th)) return 1;
     h = out;
   }
-  if (h != hidden) std::memcpy(hidden, h, T * H * es);
-  if (res != residual) std::memcpy(residual, res, T * H * es);
+  if (R == 0) return 0;
+  if (h != hidden) std::memcpy(hidden, h, R * H * es);
+  if (res != residual) std::memcpy(residual, res, R * H * es);
   return 0;
 }
 
