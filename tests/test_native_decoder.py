@@ -133,3 +133,35 @@ def test_layers_the_driver_cannot_call_take_the_python_path(cache_dir, monkeypat
     assert decoder.calls == 0 and all(plan is None for plan in decoder._plans.values())
     monkeypatch.setenv("TIDAL_NATIVE_DECODER", "0")
     assert _decoder(LLM(path, quantization="gguf", dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_python_layers_run_the_last_mlp_only_for_the_rows_that_sample(tmp_path, monkeypatch, arch):
+    """The Python layers (the native driver off, or a layer it does not run: Mixtral's MoE) carry on only
+    the sampled rows after the last layer's attention: its MLP sees one row per prompt in a prompt step,
+    and the sampled logprobs equal those of a run that reads every row back (prompt logprobs asked)."""
+    from tests.test_hybrid import VOCAB as HYBRID_VOCAB
+    from tests.test_hybrid import save_tiny_hybrid
+    monkeypatch.setenv("TIDAL_NATIVE_DECODER", "0")
+    path = str(tmp_path / arch)
+    if arch == "llama":
+        save_tiny_model(path, tiny_config("llama"))
+    else:
+        save_tiny_hybrid("mixtral", path)
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    model = llm.llm_engine.runner.model.model
+    last = model.layers[model.end_layer - 1]
+    mlp = last.mlp if arch == "llama" else last.block_sparse_moe
+    seen = []
+    mlp.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
+    prompts = _prompts(vocab=512 if arch == "llama" else HYBRID_VOCAB, n=4)
+    picked = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    every = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=1, ignore_eos=True)
+    pruned, full = _run(llm, prompts, picked), None
+    assert seen[0] == len(prompts)  # the prompt step: 4 rows of its 7-40-token prompts
+    seen.clear()
+    full = _run(llm, prompts, every)
+    assert seen[0] == sum(len(p) for p in prompts)
+    assert pruned[0] == full[0]
+    logprobs = full[1][:pruned[1].numel()]  # (then the prompt logprobs)
+    torch.testing.assert_close(pruned[1], logprobs, rtol=0, atol=1e-5)

@@ -77,3 +77,9 @@ def skinny_gemm_allowed() -> bool:
 def batch_invariant() -> bool:
     """Whether the forward running now is in batch-invariant mode (False outside a forward)."""
     return _CONTEXT is not None and _CONTEXT.batch_invariant
+
+
+def output_rows() -> list[int] | None:
+    """The current forward's output rows (ForwardContext.output_rows) when it names a non-empty subset."""
+    ctx = _CONTEXT
+    return None if ctx is None or not ctx.output_rows else ctx.output_rows

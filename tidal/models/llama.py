@@ -4,11 +4,11 @@ fused; `load_weights` routes each checkpoint tensor to its slice of the fused pa
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import islice
 
 import torch
 from torch import nn
 
+from tidal import forward_context
 from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.activation import SiluAndMul
 from tidal.layers.attention import Attention
@@ -46,13 +46,15 @@ class LlamaAttention(nn.Module):
                                  getattr(config, "rope_freq_factors", None))]
         self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows: only these rows of the output (every row's K and V still go into the cache)."""
         qkv = self.qkv_proj(x)
         T = x.shape[0]
         # q and k heads are adjacent in the fused output: rotate them in one pass
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:]
-        return self.o_proj(self.attn.forward_rotary(positions, qk, v, self._rotary[0]))
+        out = self.attn.forward_rotary(positions, qk, v, self._rotary[0])
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class LlamaMLP(nn.Module):
@@ -77,13 +79,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, positions, hidden, residual, rows=None):
+        """rows: the rows to carry on after attention (LlamaModel.forward's last layer), else every row."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, rows)
+        if rows is not None:
+            residual = residual[rows]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -122,8 +127,14 @@ class LlamaModel(nn.Module):
         if fused is not None:
             hidden, residual = fused
         else:
-            for layer in islice(self.layers, self.start_layer, self.end_layer):
-                hidden, residual = layer(positions, hidden, residual)
+            # on the last stage, the last layer carries on after attention only the rows read after the
+            # forward (ForwardContext.output_rows): the output product and the MLP skip the others
+            picked = forward_context.output_rows() if self.norm is not None else None
+            if picked is not None:
+                picked = torch.tensor(picked, dtype=torch.int64).to(hidden.device, non_blocking=True)
+            last = self.end_layer - 1
+            for i in range(self.start_layer, self.end_layer):
+                hidden, residual = self.layers[i](positions, hidden, residual, picked if i == last else None)
         if self.norm is None:  # not the last stage: hand over to the next one
             pp_send_hidden(hidden, residual)
             return hidden

@@ -27,13 +27,15 @@ class MixtralDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, positions, hidden, residual, rows=None):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, rows)
+        if rows is not None:  # the rows read after the forward (LlamaDecoderLayer.forward)
+            residual = residual[rows]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.block_sparse_moe(hidden), residual
 
