@@ -135,11 +135,12 @@ def test_layers_the_driver_cannot_call_take_the_python_path(cache_dir, monkeypat
     assert _decoder(LLM(path, quantization="gguf", dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)) is None
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "jamba"])
 def test_python_layers_run_the_last_mlp_only_for_the_rows_that_sample(tmp_path, monkeypatch, arch):
-    """The Python layers (the native driver off, or a layer it does not run: Mixtral's MoE) carry on only
-    the sampled rows after the last layer's attention: its MLP sees one row per prompt in a prompt step,
-    and the sampled logprobs equal those of a run that reads every row back (prompt logprobs asked)."""
+    """The Python layers (the native driver off, or layers it does not run: Mixtral's MoE, Jamba's Mamba
+    and MoE) carry on only the sampled rows after the last layer's mixer: its feed-forward sees one row
+    per prompt in a prompt step, and the sampled logprobs equal those of a run that reads every row back
+    (prompt logprobs asked)."""
     from tests.test_hybrid import VOCAB as HYBRID_VOCAB
     from tests.test_hybrid import save_tiny_hybrid
     monkeypatch.setenv("TIDAL_NATIVE_DECODER", "0")
@@ -147,11 +148,12 @@ def test_python_layers_run_the_last_mlp_only_for_the_rows_that_sample(tmp_path, 
     if arch == "llama":
         save_tiny_model(path, tiny_config("llama"))
     else:
-        save_tiny_hybrid("mixtral", path)
+        save_tiny_hybrid(arch, path)
     llm = LLM(path, dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
     model = llm.llm_engine.runner.model.model
     last = model.layers[model.end_layer - 1]
-    mlp = last.mlp if arch == "llama" else last.block_sparse_moe
+    mlp = {"llama": "mlp", "mixtral": "block_sparse_moe", "jamba": "feed_forward"}[arch]
+    mlp = getattr(last, mlp)
     seen = []
     mlp.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
     prompts = _prompts(vocab=512 if arch == "llama" else HYBRID_VOCAB, n=4)

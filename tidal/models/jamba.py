@@ -6,11 +6,12 @@ RMSNorms on dt, B and C. Module names match Hugging Face checkpoints."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import islice
 
 import torch
 from torch import nn
 
+from tidal import forward_context
+from tidal.device import to_device
 from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.attention import Attention
 from tidal.layers.embedding import VocabParallelEmbedding
@@ -62,13 +63,17 @@ class JambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden, residual):
+    def forward(self, hidden, residual, rows=None):
+        """rows: the rows to carry on after the mixer (the last layer's: ForwardContext.output_rows), else
+        every row; the mixer itself runs over every row (its KV cache or Mamba state needs them)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden) if self.is_attention else self.mamba(hidden)
+        if rows is not None:
+            hidden, residual = hidden[rows], residual[rows]
         hidden, residual = self.pre_ff_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual
 
@@ -92,8 +97,13 @@ class JambaModel(nn.Module):
         else:
             hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype,
                                               device=input_ids.device)
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden, residual = layer(hidden, residual)
+        # on the last stage, the last layer's feed-forward only for the rows read after the forward
+        picked = forward_context.output_rows() if self.final_layernorm is not None else None
+        if picked is not None:
+            picked = to_device(torch.tensor(picked, dtype=torch.int64), hidden.device)
+        last = self.end_layer - 1
+        for i in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[i](hidden, residual, picked if i == last else None)
         if self.final_layernorm is None:  # not the last stage: hand over to the next one
             pp_send_hidden(hidden, residual)
             return hidden
