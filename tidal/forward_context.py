@@ -79,7 +79,13 @@ def batch_invariant() -> bool:
     return _CONTEXT is not None and _CONTEXT.batch_invariant
 
 
-def output_rows() -> list[int] | None:
-    """The current forward's output rows (ForwardContext.output_rows) when it names a non-empty subset."""
+def output_rows(device) -> Any:
+    """The current forward's output rows (ForwardContext.output_rows) as an int64 index tensor on `device`
+    when they name a non-empty subset, else None (copied from pinned memory without waiting)."""
     ctx = _CONTEXT
-    return None if ctx is None or not ctx.output_rows else ctx.output_rows
+    if ctx is None or not ctx.output_rows:
+        return None
+    import torch
+
+    from tidal.device import to_device
+    return to_device(torch.tensor(ctx.output_rows, dtype=torch.int64), device)

@@ -288,7 +288,7 @@ class NativeDecoder:
             return None
         plan.max_blocks = table.shape[1]
         n = None if not last_stage or ctx.output_rows is None else len(ctx.output_rows)
-        picked = None if n is None else torch.tensor(list(ctx.output_rows) or [0], dtype=torch.int64)
+        picked = None if n is None else torch.tensor(ctx.output_rows or [0], dtype=torch.int64)
         out = hidden.contiguous().clone()
         res = torch.empty_like(out) if residual is None else residual.contiguous().clone()
         if lib.tidal_decoder_forward(ctypes.addressof(plan), out.data_ptr(), res.data_ptr(), residual is not None,

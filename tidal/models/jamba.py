@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from tidal import forward_context
-from tidal.device import to_device
 from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.attention import Attention
 from tidal.layers.embedding import VocabParallelEmbedding
@@ -98,9 +97,7 @@ class JambaModel(nn.Module):
             hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype,
                                               device=input_ids.device)
         # on the last stage, the last layer's feed-forward only for the rows read after the forward
-        picked = forward_context.output_rows() if self.final_layernorm is not None else None
-        if picked is not None:
-            picked = to_device(torch.tensor(picked, dtype=torch.int64), hidden.device)
+        picked = forward_context.output_rows(hidden.device) if self.final_layernorm is not None else None
         last = self.end_layer - 1
         for i in range(self.start_layer, self.end_layer):
             hidden, residual = self.layers[i](hidden, residual, picked if i == last else None)

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from tidal import forward_context
-from tidal.device import to_device
 from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.activation import SiluAndMul
 from tidal.layers.attention import Attention
@@ -130,9 +129,7 @@ class LlamaModel(nn.Module):
         else:
             # on the last stage, the last layer carries on after attention only the rows read after the
             # forward (ForwardContext.output_rows): the output product and the MLP skip the others
-            picked = forward_context.output_rows() if self.norm is not None else None
-            if picked is not None:
-                picked = to_device(torch.tensor(picked, dtype=torch.int64), hidden.device)
+            picked = forward_context.output_rows(hidden.device) if self.norm is not None else None
             last = self.end_layer - 1
             for i in range(self.start_layer, self.end_layer):
                 hidden, residual = self.layers[i](positions, hidden, residual, picked if i == last else None)

@@ -399,7 +399,8 @@ class ModelRunner:
                 k = len(r.spec_token_ids)
                 first = int(starts[i + 1]) - 1 - k
                 rows.extend(range(first, first + k + 1))
-        want_prompt_logprobs = [i for i, r in enumerate(reqs) if self._wants_prompt_logprobs(r)]
+        want_prompt_logprobs = ([i for i, r in enumerate(reqs) if self._wants_prompt_logprobs(r)] if compute_logits
+                                else [])
         # the model may leave out the other rows' last layer when nothing reads them (ForwardContext.output_rows)
         output_rows = (rows if compute_logits and not want_prompt_logprobs and len(rows) < step.num_tokens
                        else None)
