@@ -464,6 +464,36 @@ def test_decodes_sharing_prefix_blocks_equal_each_alone(dtype, cache_dtype, hq, 
     torch.testing.assert_close(batched.float(), reference, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("hq,hk,d,bs", [(9, 3, 64, 16), (32, 8, 128, 16), (8, 2, 32, 32), (4, 4, 64, 16),
+                                        (10, 2, 64, 16)])
+def test_decode_only_batches_equal_decodes_beside_a_prompt_chunk(cache_dtype, hq, hk, d, bs):
+    """A batch of decodes alone is attended a request at a time over all its KV heads, block by block (on
+    AVX2 builds; one (request, head) at a time where the batch holds a prompt chunk's tiles): every decode's
+    output is bitwise the same either way, at lengths ending anywhere in a block."""
+    torch.manual_seed(1)
+    nb = 200
+    kv = (torch.randn(kv_cache_shape(nb, bs, hk, d)) * 0.7).to(cache_dtype)
+    k_cache, v_cache = split_kv_cache(kv)
+    lens = torch.tensor([1, 7, bs, bs + 1, 3 * bs - 1, 100, 161])
+    per = -(-161 // bs)
+    tables = torch.stack([torch.randperm(nb)[:per] for _ in range(len(lens) + 1)])
+    q = torch.randn(len(lens) + 3, hq, d)
+    scale = d ** -0.5
+    decodes = torch.arange(len(lens))
+    alone = cpu_kernels.paged_attention_decode(q[:len(lens)], k_cache, v_cache, tables, lens, scale, decodes)
+    # the same decodes after a 3-token prompt chunk over the last table
+    index = torch.cat([torch.full((3,), len(lens)), decodes])
+    mixed_lens = torch.cat([torch.tensor([40, 41, 42]), lens])
+    mixed_q = torch.cat([q[len(lens):], q[:len(lens)]])
+    mixed = cpu_kernels.paged_attention_decode(mixed_q, k_cache, v_cache, tables, mixed_lens, scale, index)
+    assert torch.equal(mixed[3:], alone)
+    reference = decode_attention(q[:len(lens)], k_cache.float(), v_cache.float(), tables[:len(lens)], lens, 161,
+                                 scale)
+    tol = 1e-5 if cache_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(alone, reference, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("h", [576, 100, 7])  # whole vectors; vectors and a tail; a tail only
 def test_rms_norm_is_the_reference_computation(isa, dtype, h):

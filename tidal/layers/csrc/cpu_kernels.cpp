@@ -331,6 +331,105 @@ static void accumulate_vec(const float* p, int64_t stride, const void* v_cache, 
     accumulate_pass<DT, G, C, C % CB>(p, stride, v_cache, table, t_begin, t_end, h, Hk, bs, acc, init, full);
 }
 
+// One decode query (G query heads per KV head) over every KV head of its request, block by block: each
+// step reads a run of consecutive blocks' K (then V) for all Hk heads before the next, so the request's
+// blocks, side by side when they were allocated together (a prompt's), stream from memory as one run
+// that the hardware prefetcher follows, instead of Hk runs of block-sized pieces strided by a block (one
+// per head item). Every score, probability and sum is the chain scores_vec, softmax_vec and
+// accumulate_vec compute (tokens in order, d in order, from zero): the same bits. qf: [Hk][G][D] scaled;
+// out: [Hk][G][D] fp32 rows.
+template <int DT, int G, int C>
+static void decode_heads(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
+                         int64_t Hk, int64_t bs, std::vector<float>& work, float* out) {
+  constexpr int64_t D = C * W;
+  // G * TV accumulators + G broadcasts + one K vector within AVX2's 16 registers
+  constexpr int TV = G <= 3 ? 4 : 2;
+  constexpr int64_t STEP = TV * W;
+  const int64_t stride = (L + STEP - 1) / STEP * STEP;  // whole steps stored: the row's tail is never read
+  work.resize(Hk * G * stride);
+  float* scores = work.data();
+  const int64_t chunk = D * bs;  // one head's K (or V) of one block
+  for (int64_t start = 0; start < L; start += STEP) {
+    int64_t base[TV];
+    #pragma GCC unroll 16
+    for (int v = 0; v < TV; ++v) {
+      const int64_t t0 = start + v * W;
+      base[v] = t0 < L ? table[t0 / bs] * Hk * chunk + t0 % bs : base[0];  // past L: computed, never read
+    }
+    for (int64_t h = 0; h < Hk; ++h) {
+      const float* qh = qf + h * G * D;
+      vf acc[G][TV];
+      #pragma GCC unroll 16
+      for (int g = 0; g < G; ++g)
+        #pragma GCC unroll 16
+        for (int v = 0; v < TV; ++v) acc[g][v] = simd::zero();
+      for (int64_t d = 0; d < D; ++d) {
+        vf qv[G];
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) qv[g] = simd::set1(qh[g * D + d]);
+        #pragma GCC unroll 16
+        for (int v = 0; v < TV; ++v) {
+          const vf k = loadv<DT>(k_cache, base[v] + h * chunk + d * bs);
+          #pragma GCC unroll 16
+          for (int g = 0; g < G; ++g) acc[g][v] = simd::fmadd(qv[g], k, acc[g][v]);
+        }
+      }
+      #pragma GCC unroll 16
+      for (int g = 0; g < G; ++g)
+        #pragma GCC unroll 16
+        for (int v = 0; v < TV; ++v) simd::store(scores + (h * G + g) * stride + start + v * W, acc[g][v]);
+    }
+  }
+  for (int64_t r = 0; r < Hk * G; ++r) softmax_vec(scores + r * stride, L);
+  std::fill(out, out + Hk * G * D, 0.f);
+  constexpr int kAccRegs = 12;
+  constexpr int CB = std::max(1, std::min(C, kAccRegs / G));
+  constexpr int full = C / CB * CB;
+  const int64_t span = std::max<int64_t>(bs, STEP / bs * bs);  // tokens per step: whole blocks
+  for (int64_t start = 0; start < L; start += span) {
+    const int64_t end = std::min(L, start + span);
+    for (int64_t h = 0; h < Hk; ++h) {
+      for (int c0 = 0; c0 < full; c0 += CB)
+        accumulate_pass<DT, G, C, CB>(scores + h * G * stride, stride, v_cache, table, start, end, h, Hk, bs,
+                                      out + h * G * D, false, c0);
+      if constexpr (C % CB != 0)
+        accumulate_pass<DT, G, C, C % CB>(scores + h * G * stride, stride, v_cache, table, start, end, h, Hk, bs,
+                                          out + h * G * D, false, full);
+    }
+  }
+}
+
+using HeadsFn = void (*)(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
+                         int64_t Hk, int64_t bs, std::vector<float>& work, float* out);
+
+// decode_heads for G query heads per KV head and head_dim D (AVX2 builds: measured there), or none
+template <int DT, int G>
+static HeadsFn heads_kernel_for_dim(int64_t C) {
+  switch (C) {
+    case 4: return decode_heads<DT, G, 4>;
+    case 8: return decode_heads<DT, G, 8>;
+    case 16: return decode_heads<DT, G, 16>;
+    default: return nullptr;
+  }
+}
+
+template <int DT>
+static HeadsFn heads_kernel_for(int64_t G, int64_t D, int64_t bs) {
+#if TIDAL_VEC == 8
+  if (D % W == 0 && bs % W == 0) {
+    switch (G) {
+      case 1: return heads_kernel_for_dim<DT, 1>(D / W);
+      case 2: return heads_kernel_for_dim<DT, 2>(D / W);
+      case 3: return heads_kernel_for_dim<DT, 3>(D / W);
+      case 4: return heads_kernel_for_dim<DT, 4>(D / W);
+      default: return nullptr;
+    }
+  }
+#endif
+  (void)G; (void)D; (void)bs;
+  return nullptr;
+}
+
 #if defined(__AVX512BF16__)
 // bf16 cache: the dot products run on VDPBF16PS (pairs of bf16 products accumulated in fp32, twice
 // the work of an fp32 FMA per instruction). Scores: q . k with q, k in bf16 (exact products), then
@@ -772,6 +871,24 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
     tiles.push_back({first, static_cast<int64_t>(n), n > 1 ? shared * bs : 0});
     s += n;
   }
+#if defined(TIDAL_VEC)
+  // every query alone (decodes sharing no blocks): one item per request, over all its heads (decode_heads)
+  const HeadsFn heads = one && !one.bf16 ? heads_kernel_for<KDT>(G, D, bs) : nullptr;
+  if (heads && static_cast<int64_t>(tiles.size()) == B) {
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::vector<float> qf(Hq * D), res(Hq * D), work;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t b = 0; b < B; ++b) {
+        widen<QDT>(q, b * q_stride, Hq * D, qf.data());
+        for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
+        heads(qf.data(), k_cache, v_cache, table_of(b), seq_lens[b], Hk, bs, work, res.data());
+        narrow<QDT>(res.data(), out_scale, Hq * D, out, b * Hq * D);
+      }
+    }
+    return;
+  }
+#endif
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   // the work items (tile, head): tile by tile, its heads together (their K/V sit side by side in each block);
   // when tiles widen their shared blocks, the tiles of several queries come first, head by head, so that the
