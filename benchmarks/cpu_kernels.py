@@ -21,8 +21,9 @@
   tokens' blocks, attended in tiles over those, and untiled), and one 64-token prompt chunk over
   1,100 cached tokens (attended in tiles, and per token), fp32 queries over bf16, fp32 and FP8 (E4M3)
   caches and bf16 over bf16 and FP8; one 256-token prompt attending to itself (causal, in tiles); and 128
-  decodes over 340 tokens in a cache three times L3 (K/V from memory, as in a serving batch).
-  GFLOP/s count 4 * heads * head_dim per query and cached token.
+  decodes over 340 tokens in a cache three times L3 (K/V from memory, as in a serving batch); and a
+  saturated engine's decode step: 64 decodes over 320 tokens through 30 layers' caches, each prompt's
+  blocks side by side. GFLOP/s count 4 * heads * head_dim per query and cached token.
 - The rest of a layer for a prompt of 256 and 2,048 tokens: the two RMSNorms, rotary, the KV write and
   SiLU-and-mul; and the KV write of 128 decodes into a cache far larger than L3 (`--only elementwise`).
 Run with the machine otherwise idle; name the CPU (lscpu) beside the figures.
@@ -266,6 +267,24 @@ def attention(isa: str) -> None:
         nbytes, flops = m * ctx_m * hk * d * 2 * big.element_size(), 4 * hq * d * m * ctx_m
         print(f"{isa:12s} attention {str(qdt)[6:]:8s} over {str(kdt)[6:]:13s} cache, {m} decodes from memory: "
               f"{dt * 1e3:7.2f} ms ({flops / dt / 1e9:6.1f} GFLOP/s, K/V {nbytes / dt / 1e9:5.1f} GB/s)")
+        # a saturated engine's decode step: 64 requests over 320 tokens, each prompt's 16 blocks side by side and
+        # its later blocks among the other requests', through 30 layers' caches (K and V from memory)
+        n_req, ctx_s, layers, nb_s = 64, 320, 30, 1500
+        per_s = -(-ctx_s // bs)
+        step_tables = torch.tensor([[r * 16 + j if j < 16 else n_req * 16 + (j - 16) * n_req + r
+                                     for j in range(per_s)] for r in range(n_req)])
+        layer_caches = []
+        for _ in range(layers):
+            c = torch.empty(kv_cache_shape(nb_s, bs, hk, d), dtype=kdt)
+            c.view(torch.uint8).random_(0, 64)
+            layer_caches.append(split_kv_cache(c))
+        q = q_all[:1].expand(n_req, hq, d).contiguous()
+        lens = torch.full((n_req,), ctx_s)
+        dt = timed(lambda: [cpu_kernels.paged_attention_decode(q, k, v, step_tables, lens, d ** -0.5, None)
+                            for k, v in layer_caches])
+        nbytes = layers * n_req * ctx_s * hk * d * 2 * big.element_size()
+        print(f"{isa:12s} attention {str(qdt)[6:]:8s} over {str(kdt)[6:]:13s} cache, a step of {n_req} decodes "
+              f"over {ctx_s} tokens, {layers} layers: {dt * 1e3:7.2f} ms (K/V {nbytes / dt / 1e9:5.1f} GB/s)")
 
 
 def main() -> None:
