@@ -381,22 +381,11 @@ static void decode_heads(const float* qf, const void* k_cache, const void* v_cac
     }
   }
   for (int64_t r = 0; r < Hk * G; ++r) softmax_vec(scores + r * stride, L);
-  std::fill(out, out + Hk * G * D, 0.f);
-  constexpr int kAccRegs = 12;
-  constexpr int CB = std::max(1, std::min(C, kAccRegs / G));
-  constexpr int full = C / CB * CB;
   const int64_t span = std::max<int64_t>(bs, STEP / bs * bs);  // tokens per step: whole blocks
-  for (int64_t start = 0; start < L; start += span) {
-    const int64_t end = std::min(L, start + span);
-    for (int64_t h = 0; h < Hk; ++h) {
-      for (int c0 = 0; c0 < full; c0 += CB)
-        accumulate_pass<DT, G, C, CB>(scores + h * G * stride, stride, v_cache, table, start, end, h, Hk, bs,
-                                      out + h * G * D, false, c0);
-      if constexpr (C % CB != 0)
-        accumulate_pass<DT, G, C, C % CB>(scores + h * G * stride, stride, v_cache, table, start, end, h, Hk, bs,
-                                          out + h * G * D, false, full);
-    }
-  }
+  for (int64_t start = 0; start < L; start += span)
+    for (int64_t h = 0; h < Hk; ++h)  // each head's sums carried on from the step before
+      accumulate_vec<DT, G, C>(scores + h * G * stride, stride, v_cache, table, start, std::min(L, start + span), h,
+                               Hk, bs, out + h * G * D, start == 0);
 }
 
 using HeadsFn = void (*)(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
