@@ -332,6 +332,50 @@ def test_packed_gemm_finds_each_rows_argmax_as_it_stores_the_logits(isa, n, k):
     assert cpu_kernels.packed_linear_argmax(torch.randn(5, k).bfloat16(), packed, n, k, None, n) is None
 
 
+@pytest.mark.parametrize("n,k", [(103, 576), (4099, 64), (40, 33), (1000, 2050)])
+def test_greedy_screen_finds_the_packed_products_argmax(isa, n, k):
+    """Greedy rows under fp32 activations: the int8 screen's argmax is the first index of the largest of
+    the packed fp32 kernel's logits over the first n_valid, for any number of rows: clear winners, exact
+    ties (equal weight rows, the first wins), a row of zeros (all equal: 0), rows whose logits all lie
+    within the screen's bound of each other (every tile a candidate), winners among rows the int8 copy
+    cannot tell apart (with no bound, the largest int8 logit alone, some are lost), hidden states with
+    outliers; a row that is not finite, or a weight that is not, leaves it to the caller (None)."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    w[n // 3] = w[n - 2]
+    x = torch.randn(70, k)
+    x[:, :3] *= 30  # outliers, as hidden states have
+    x[5] = 0
+    x[6:12] = w[n // 3].float() * 3  # the largest at n // 3 and, equal, at n - 2
+    x[12:20] *= 1e-3  # logits close together: many candidates
+    x[20:30] = w[torch.randint(0, n, (10,))].float() * 2 + torch.randn(10, k) * 0.5
+    # a run of rows that differ from one another by about half an int8 step in each element: their int8
+    # logits rank them no better than chance, and the largest is theirs only within the bound
+    near = min(32, n // 3)
+    base = torch.randn(k)
+    w[n - near:] = (base + torch.randn(near, k) * base.abs().max() / 254).bfloat16()
+    x[30:50] = base * 4 + torch.randn(20, k) * 0.3
+    packed = cpu_kernels.pack_bf16_weight(w)
+    screen = cpu_kernels.greedy_screen(w)
+    if isa == "generic":
+        assert screen is None
+        return
+    full = cpu_kernels.packed_linear(x, packed, n, k, None)
+    for n_valid in (n, n - 3, 1):
+        want = cpu_kernels.argmax_rows(full[:, :n_valid].contiguous())
+        for rows in (slice(0, 1), slice(5, 7), slice(2, 6), slice(6, 11), slice(10, 16), slice(12, 20),
+                     slice(0, 13), slice(20, 30), slice(30, 50), slice(0, 64), slice(0, 70)):
+            got = cpu_kernels.packed_linear_greedy(x[rows].contiguous(), packed, n, k, screen, n_valid)
+            assert got == want[rows], (rows, n_valid)
+    assert cpu_kernels.packed_linear_greedy(x[6:8].contiguous(), packed, n, k, screen, n) == [n // 3] * 2
+    assert cpu_kernels.packed_linear_greedy(x[5:6].contiguous(), packed, n, k, screen, n) == [0]
+    bad = x[:3].clone()
+    bad[1, 2] = float("nan")
+    assert cpu_kernels.packed_linear_greedy(bad, packed, n, k, screen, n) is None
+    w[7, 1] = float("inf")
+    assert cpu_kernels.greedy_screen(w) is None
+
+
 @pytest.mark.parametrize("k", [576, 67])
 def test_fp32_gemm_rows_do_not_depend_on_the_batch(isa, k):
     """Batch-invariant mode's fp32 product: close to torch's, and a row's bits the same alone (streamed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -235,6 +236,12 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_gemm_bf16_packed_argmax.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed_argmax.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
                                                   + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64])
+    lib.tidal_linear_f32_bf16_packed_greedy.restype = ctypes.c_int
+    lib.tidal_linear_f32_bf16_packed_greedy.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+                                                        + [ctypes.c_int, ctypes.c_void_p])
+    lib.tidal_greedy_screen_bf16.restype = ctypes.c_int
+    lib.tidal_greedy_screen_bf16.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
+                                             + [ctypes.c_int])
     lib.tidal_unpack_bf16_rows.restype = ctypes.c_int
     lib.tidal_unpack_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
     for name in ("tidal_gemm_bf16_rows", "tidal_linear_f32_rows"):
@@ -387,6 +394,59 @@ def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, 
     logits = _run_linear(x, n, k, bias, lambda xp, bp, op, m: lib.tidal_gemm_bf16_packed_argmax(
         xp, packed.data_ptr(), bp, op, m, n, k, torch.get_num_threads(), found[1], n_valid))
     return None if logits is None else (logits, found[0].tolist())
+
+
+class GreedyScreen(NamedTuple):
+    """What the greedy LM head (packed_linear_greedy) screens the vocabulary with: the weight's rows in int8
+    (one scale per row) in 16-row tiles, [tiles, ceil(k / 2), 16, 2] (pair (q[n, 2p], q[n, 2p + 1]) of row
+    16t + i at [t, p, i]); and per row the two terms of the bound on how far an int8 logit may be from the
+    fp32 product's (gemm.cpp: greedy), rounded up to fp32."""
+    weight: torch.Tensor
+    scale: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def greedy_screen_available() -> bool:
+    """Whether packed_linear_greedy runs here (a vector build of gemm.cpp: AVX2 and up)."""
+    return _GEMM_LIB.get() is not None and cpu_isa() != "generic"
+
+
+def greedy_screen(weight: torch.Tensor) -> GreedyScreen | None:
+    """The screen of a bf16 LM-head weight [n, k] (plain, before packing), or None where the kernel does not
+    run or the weight is not finite. Half the bf16 weight's bytes and three floats a row."""
+    if (not greedy_screen_available() or weight.dim() != 2 or weight.device.type != "cpu"
+            or weight.dtype != torch.bfloat16):
+        return None
+    lib = _GEMM_LIB.get()
+    n, k = weight.shape
+    tiles, pairs = -(-n // 16), -(-k // 2)
+    w = weight.contiguous()
+    screen = GreedyScreen(torch.empty(tiles, pairs, 16, 2, dtype=torch.int8),
+                          *(torch.empty(tiles * 16, dtype=torch.float32) for _ in range(3)))
+    if lib.tidal_greedy_screen_bf16(w.data_ptr(), n, k, screen.weight.data_ptr(), screen.scale.data_ptr(),
+                                    screen.a.data_ptr(), screen.b.data_ptr(), torch.get_num_threads()) != 0:
+        return None
+    return screen
+
+
+def packed_linear_greedy(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, screen: GreedyScreen,
+                         n_valid: int) -> list[int] | None:
+    """Each row's argmax over the first n_valid outputs of packed_linear(x, packed) (fp32 x [rows, k], no
+    bias), the first index of the largest as argmax_rows gives, without computing most of them: int8
+    approximations of every output and a bound on their error leave a few candidates, whose tiles the fp32
+    kernel computes (gemm.cpp: greedy). None when it does not apply (no such build, x not finite)."""
+    lib = _GEMM_LIB.get()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1:
+        return None
+    x = x.contiguous()
+    rows = x.shape[0]
+    found = _argmax_buffer(rows)
+    if lib.tidal_linear_f32_bf16_packed_greedy(
+            x.data_ptr(), packed.data_ptr(), screen.weight.data_ptr(), screen.scale.data_ptr(), screen.a.data_ptr(),
+            screen.b.data_ptr(), rows, n, k, n_valid, torch.get_num_threads(), found[1]) != 0:
+        return None
+    return found[0].tolist()
 
 
 def _run_linear(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None, call) -> torch.Tensor | None:

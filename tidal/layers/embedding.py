@@ -11,7 +11,7 @@ from tidal.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from tidal.layers.cpu_kernels import packed_linear_argmax, unpack_bf16_rows
+from tidal.layers.cpu_kernels import GreedyScreen, packed_linear_argmax, packed_linear_greedy, unpack_bf16_rows
 from tidal.layers.gguf_kernels import gguf_linear
 from tidal.layers.linear import cpu_linear
 from tidal.layers.quantization.gguf import packed_lookup
@@ -61,6 +61,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size, dtype)
         self.bias = None
+        # an int8 screen of the weight for greedy rows under fp32 activations (tidal.loader.pack_bf16_weights)
+        self.greedy_screen: GreedyScreen | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -79,9 +81,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """Each row's argmax over the vocabulary (greedy sampling: the first index of the largest logit, as
         argmax_rows gives on compute_logits' output), found by the LM head's kernel as it computes the
-        logits, where one does (bf16 weights packed at load, 1-4 rows, one rank); None elsewhere."""
+        logits, where one does (bf16 weights packed at load, one rank): under bf16 activations for 1-4 rows;
+        under fp32 activations for any number, through the weight's int8 screen (packed_linear_greedy: most
+        logits are never computed); None elsewhere."""
         packed = getattr(self.weight, "bf16_packed", None)
         if packed is None or self.tp_size > 1 or self.weight_scale is not None or hidden.dim() != 2:
             return None
+        if hidden.dtype == torch.float32 and self.greedy_screen is not None:
+            return packed_linear_greedy(hidden, self.weight, *packed, self.greedy_screen, self.vocab_size)
         found = packed_linear_argmax(hidden, self.weight, *packed, None, self.vocab_size)
         return None if found is None else found[1]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.layers.cpu_kernels import pack_bf16_weight, packed_gemm_available
-from tidal.layers.embedding import VocabParallelEmbedding
+from tidal.layers.cpu_kernels import greedy_screen, pack_bf16_weight, packed_gemm_available
+from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.layers.linear import Bf16WeightLinearMethod, LinearBase, UnquantizedLinearMethod
 from tidal.layers.quantization import get_quantization_config
 from tidal.layers.quantization.gguf import pack_embedding
@@ -282,7 +282,14 @@ def pack_bf16_weights(model: torch.nn.Module) -> int:
     its table share it): under bf16 activations on a CPU with AVX-512 BF16, under fp32 activations (bf16
     weights read by fp32 products: dtype auto without native bf16) on any CPU with AVX2 or more. A packed
     kernel streams a weight once for 1-4 rows and runs register tiles for more, in one summation order
-    for any number of rows (docs/batch_invariance.md). Returns the number of tensors packed."""
+    for any number of rows (docs/batch_invariance.md). An LM head under fp32 activations also gets its int8
+    screen for greedy rows (cpu_kernels.greedy_screen). Returns the number of tensors packed."""
+    for module in model.modules():
+        if (isinstance(module, ParallelLMHead) and module.dtype == torch.float32 and module.tp_size == 1
+                and module.weight_scale is None and module.weight.dtype == torch.bfloat16
+                and module.weight.dim() == 2 and module.weight.device.type == "cpu"
+                and packed_gemm_available(torch.float32)):
+            module.greedy_screen = greedy_screen(module.weight.data)  # from the plain weight, before packing
     done: set[int] = set()
     for module in model.modules():
         if isinstance(module, LinearBase):

@@ -330,6 +330,191 @@ static void linear(const float* x, const uint32_t* w, const float* bias, float* 
 }  // namespace packed_f32
 #endif
 
+#if defined(TIDAL_VEC) && defined(__AVX2__)
+// Greedy screen: the argmax of a row's logits x W^T over W's first n_valid rows (the first index of the
+// largest, as argmax_rows gives on tidal_linear_f32_bf16_packed's output) without the whole fp32 product.
+// An int8 copy of W (per-row scales) against x in int16 (one scale per row of x) gives every logit
+// approximately through VPMADDWD (16 multiply-adds an instruction, twice an FMA's 8), and a bound on how
+// far each approximation can be from the fp32 product's value:
+//     |x . w - xq . wq| <= |w - wq| |x| + |wq| |x - xq|,   |fp32 chain - x . w| <= ~K 2^-24 |w| |x|,
+// folded at load into two numbers per weight row (a = |w - wq| + c |w|, b = |wq|), so the bound of row v is
+// a[v] |x| + b[v] |x - xq|. Every output whose upper bound reaches the largest lower bound is a candidate
+// (the argmax always is: its fp32 value is at least that lower bound); the candidates' 16-row tiles are then
+// computed by the fp32 kernel itself (tile<1, 1>: the same FMA chains, the same bits) and the argmax taken
+// over them. On SmolLM2's head the greedy rows of a serving batch leave ~12 candidates of 49,152 on average.
+namespace screen {
+constexpr int kMaxMR = 5;  // 5 rows x 2 vectors of accumulators, 2 weight vectors, a broadcast, a product: 14 of 16
+
+// MR rows of xq (int16 pairs as int32, stride ldq pairs) against one int8 tile of 16 weight rows
+// (pairs of k interleaved: 32 bytes per pair): out[m * 16 + c], the integer dot products
+template <int MR>
+static inline void int_tile(const int32_t* xq, int64_t ldq, const int8_t* wt, int64_t pairs, int32_t* out) {
+  __m256i acc[MR][2];  // (local: an array the caller reads would be kept in memory through the loop)
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wt + p * 32)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wt + p * 32 + 16)));
+    for (int m = 0; m < MR; ++m) {
+      const __m256i b = _mm256_set1_epi32(xq[m * ldq + p]);
+      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(w0, b));
+      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(w1, b));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * 16), acc[m][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * 16 + 8), acc[m][1]);
+  }
+}
+
+struct Rows {  // per row of x: its int16 pairs, scale, |x|, |x - xq|
+  const int32_t* xq;
+  int64_t ldq;
+  const float* scale;
+  const float* norm;
+  const float* err;
+};
+
+// approximations of MR rows x one tile into approx (stride ldA), each row's largest lower bound so far
+// (lo, 8 lanes) and the tile's largest upper bound per row (hi[m * tiles + t]); nn valid outputs in the tile
+template <int MR>
+static inline void approx_tile(const Rows& r, int64_t m0, const int8_t* wt, int64_t pairs, const float* ws,
+                               const float* a, const float* b, int nn, float* approx, int64_t ldA, __m256* lo,
+                               float* hi, int64_t tiles, int64_t t) {
+  alignas(32) int32_t acc[MR * 16];
+  int_tile<MR>(r.xq + m0 * r.ldq, r.ldq, wt, pairs, acc);
+  for (int m = 0; m < MR; ++m) {
+    const int64_t row = m0 + m;
+    const float xs = r.scale[row], xn = r.norm[row], xe = r.err[row];
+    alignas(32) float lo_v[16], hi_v[16];
+    for (int h = 0; h < 2; ++h) {
+      const __m256 av = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc + m * 16 + h * 8))), _mm256_set1_ps(xs)),
+                                      _mm256_loadu_ps(ws + h * 8));
+      // the bound, widened by 2^-10 for its own rounding
+      const __m256 bound = _mm256_mul_ps(
+          _mm256_fmadd_ps(_mm256_loadu_ps(a + h * 8), _mm256_set1_ps(xn),
+                          _mm256_mul_ps(_mm256_loadu_ps(b + h * 8), _mm256_set1_ps(xe))),
+          _mm256_set1_ps(1.0f + 1.0f / 1024));
+      _mm256_storeu_ps(approx + row * ldA + h * 8, av);
+      _mm256_store_ps(lo_v + h * 8, _mm256_sub_ps(av, bound));
+      _mm256_store_ps(hi_v + h * 8, _mm256_add_ps(av, bound));
+    }
+    if (nn == 16) {
+      lo[row] = _mm256_max_ps(lo[row], _mm256_max_ps(_mm256_load_ps(lo_v), _mm256_load_ps(lo_v + 8)));
+      const __m256 hv = _mm256_max_ps(_mm256_load_ps(hi_v), _mm256_load_ps(hi_v + 8));
+      __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(hv), _mm256_extractf128_ps(hv, 1));
+      h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
+      h4 = _mm_max_ss(h4, _mm_shuffle_ps(h4, h4, 1));
+      hi[row * tiles + t] = _mm_cvtss_f32(h4);
+    } else {  // the last tile: only its valid outputs count
+      alignas(32) float l8[8];
+      _mm256_store_ps(l8, lo[row]);
+      float hmax = -INFINITY;
+      for (int c = 0; c < nn; ++c) {
+        l8[c % 8] = std::max(l8[c % 8], lo_v[c]);
+        hmax = std::max(hmax, hi_v[c]);
+      }
+      lo[row] = _mm256_load_ps(l8);
+      hi[row * tiles + t] = hmax;
+    }
+  }
+}
+
+template <int MR>
+static inline void approx_rows(int mr, const Rows& r, int64_t m0, const int8_t* wt, int64_t pairs, const float* ws,
+                               const float* a, const float* b, int nn, float* approx, int64_t ldA, __m256* lo,
+                               float* hi, int64_t tiles, int64_t t) {
+  if (mr == MR) approx_tile<MR>(r, m0, wt, pairs, ws, a, b, nn, approx, ldA, lo, hi, tiles, t);
+  else if constexpr (MR > 1) approx_rows<MR - 1>(mr, r, m0, wt, pairs, ws, a, b, nn, approx, ldA, lo, hi, tiles, t);
+}
+}  // namespace screen
+
+// x [M, K] fp32; wpk the packed bf16 weight (tidal_linear_f32_bf16_packed's); wq its int8 copy in tiles
+// ([tiles, pairs, 16, 2]), ws the int8 rows' scales, a and b the bound's terms (all [tiles * 16]).
+// Returns 0 with argmax[m] set, -1 when it does not apply (x not finite, K too large for int32 sums).
+static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const float* ws, const float* a,
+                  const float* b, int64_t M, int64_t N, int64_t K, int64_t n_valid, int num_threads, int64_t* argmax) {
+  const int64_t pairs = (K + 1) / 2, tiles = (std::min(n_valid, N) + 15) / 16, tstride = pairs * 16;
+  n_valid = std::min(n_valid, N);
+  // x's integer range: |sum| <= 2 * pairs * 127 * qmax < 2^31
+  const int64_t qmax = std::min<int64_t>(16383, (int64_t(1) << 31) / (2 * pairs * 127 + 1) - 1);
+  if (qmax < 64 || M < 1 || n_valid < 1) return -1;
+  std::vector<int32_t> xq(M * pairs);
+  std::vector<float> scale(M), norm(M), err(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      if (!std::isfinite(xm[k])) return -1;
+      amax = std::max(amax, std::fabs(xm[k]));
+    }
+    const float s = amax > 0.f ? amax / float(qmax) : 1.f;
+    double n2 = 0, e2 = 0;
+    auto q16 = reinterpret_cast<int16_t*>(xq.data() + m * pairs);
+    for (int64_t k = 0; k < 2 * pairs; ++k) {
+      const float v = k < K ? xm[k] : 0.f;
+      const int64_t q = std::clamp<int64_t>(std::llround(v / s), -qmax, qmax);
+      q16[k] = static_cast<int16_t>(q);
+      const double e = double(v) - double(q) * double(s);
+      n2 += double(v) * v;
+      e2 += e * e;
+    }
+    scale[m] = s;
+    // rounded up: the bound must not shrink in float
+    norm[m] = std::nextafter(float(std::sqrt(n2)), INFINITY);
+    err[m] = std::nextafter(float(std::sqrt(e2)), INFINITY);
+  }
+  const screen::Rows rows{xq.data(), pairs, scale.data(), norm.data(), err.data()};
+  const int64_t ldA = tiles * 16;
+  // the approximations (M x 49,152 floats for SmolLM2's head: 12.6 MB at 64 rows) and the tiles' upper
+  // bounds, in buffers kept between calls: a fresh 12 MB is page faults and zeroing on every step
+  // (the caller's thread's: the parallel region below reaches them through these pointers)
+  thread_local std::vector<float> approx_buf, hi_buf;
+  if (approx_buf.size() < size_t(M * ldA)) approx_buf.resize(M * ldA);
+  if (hi_buf.size() < size_t(M * tiles)) hi_buf.resize(M * tiles);
+  float* const approx = approx_buf.data();
+  float* const hi = hi_buf.data();
+  std::vector<__m256> lo_all(size_t(num_threads) * M, _mm256_set1_ps(-INFINITY));
+  const int64_t rtiles = (M + screen::kMaxMR - 1) / screen::kMaxMR, base = M / rtiles, extra = M % rtiles;
+#pragma omp parallel num_threads(num_threads)
+  {
+    __m256* lo = lo_all.data() + size_t(omp_get_thread_num()) * M;
+#pragma omp for schedule(guided)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int nn = static_cast<int>(std::min<int64_t>(16, n_valid - t * 16));
+      for (int64_t i = 0, m = 0; i < rtiles; ++i) {
+        const int mr = static_cast<int>(base + (i < extra));
+        screen::approx_rows<screen::kMaxMR>(mr, rows, m, wq + t * pairs * 32, pairs, ws + t * 16, a + t * 16,
+                                            b + t * 16, nn, approx + t * 16, ldA, lo, hi, tiles, t);
+        m += mr;
+      }
+    }
+#pragma omp for schedule(dynamic)
+    for (int64_t m = 0; m < M; ++m) {
+      __m256 l = lo_all[m];
+      for (int th = 1; th < num_threads; ++th) l = _mm256_max_ps(l, lo_all[size_t(th) * M + m]);
+      alignas(32) float l8[8];
+      _mm256_store_ps(l8, l);
+      const float lb = *std::max_element(l8, l8 + 8);
+      float best = -INFINITY;
+      int64_t best_i = -1;
+      alignas(64) float row[16];
+      for (int64_t t = 0; t < tiles; ++t) {
+        if (!(hi[m * tiles + t] >= lb)) continue;
+        const int nn = static_cast<int>(std::min<int64_t>(16, n_valid - t * 16));
+        packed_f32::tile<1, 1>(x + m * K, K, wpk + t * tstride, tstride, K, nullptr, row, 16, 16);
+        for (int c = 0; c < nn; ++c)
+          if (row[c] > best || best_i < 0) {
+            best = row[c];
+            best_i = t * 16 + c;
+          }
+      }
+      argmax[m] = best_i;
+    }
+  }
+  return 0;
+}
+#endif
+
 // fp32 activations against bf16 weights (WIDEN) or fp32 weights: every output one fp32 dot product in the
 // same order whatever M is (see dot_tile), so a row's result never depends on the other rows.
 template <bool WIDEN>
@@ -885,6 +1070,61 @@ void tidal_linear_f32_bf16w(const void* x, const void* w, const void* bias, void
 // x [M, K] fp32, wpk the packed bf16 weight of [N, K] (tidal.layers.cpu_kernels.pack_bf16_weight), bias
 // [N] fp32 or null, out [M, N] fp32; any M >= 1. Each output one fp32 FMA chain over k in order, then +
 // bias, whatever M is (see packed_f32). Returns 0 when it ran, -1 when this build has no vector path.
+// The greedy screen of a plain bf16 weight w [N, K] (see greedy): wq [ceil(N / 16), ceil(K / 2), 16, 2] int8,
+// ws, a, b [ceil(N / 16) * 16] fp32 (zero rows past N; scale 1). Returns -1 (nothing usable) when w has a value
+// that is not finite.
+int tidal_greedy_screen_bf16(const void* w, int64_t N, int64_t K, void* wq, void* ws, void* a, void* b,
+                             int num_threads) {
+  const auto wb = static_cast<const uint16_t*>(w);
+  const int64_t pairs = (K + 1) / 2, tiles = (N + 15) / 16;
+  const double c = double(4 * pairs + 64) * std::ldexp(1.0, -24);  // the fp32 chain's error, doubled
+  auto q8 = static_cast<int8_t*>(wq);
+  auto up = [](double v) { const float f = float(v); return double(f) < v ? std::nextafter(f, INFINITY) : f; };
+  int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : bad)
+  for (int64_t n = 0; n < tiles * 16; ++n) {
+    const uint16_t* row = wb + n * K;
+    float amax = 0.f;
+    for (int64_t k = 0; n < N && k < K; ++k) {
+      const float v = bf16_to_float(row[k]);
+      if (!std::isfinite(v)) bad = 1;
+      amax = std::max(amax, std::fabs(v));
+    }
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    double e2 = 0, w2 = 0, q2 = 0;
+    int8_t* dst = q8 + (n / 16) * pairs * 32 + (n % 16) * 2;
+    for (int64_t k = 0; k < 2 * pairs; ++k) {
+      const float v = n < N && k < K ? bf16_to_float(row[k]) : 0.f;
+      const float q = std::min(127.f, std::max(-127.f, std::nearbyint(v / s)));
+      dst[(k / 2) * 32 + k % 2] = static_cast<int8_t>(q);
+      const double wqv = double(q) * double(s), e = double(v) - wqv;
+      e2 += e * e;
+      w2 += double(v) * v;
+      q2 += wqv * wqv;
+    }
+    static_cast<float*>(ws)[n] = s;
+    static_cast<float*>(a)[n] = up(std::sqrt(e2) + c * std::sqrt(w2));
+    static_cast<float*>(b)[n] = up(std::sqrt(q2));
+  }
+  return bad ? -1 : 0;
+}
+
+// Greedy rows (fp32 x, bf16 weight packed at load, its int8 screen: see greedy above): argmax[m] for every
+// row. Returns 0 when it ran, -1 when it does not apply here (the caller computes the logits).
+int tidal_linear_f32_bf16_packed_greedy(const void* x, const void* wpk, const void* wq, const void* ws, const void* a,
+                                        const void* b, int64_t M, int64_t N, int64_t K, int64_t n_valid,
+                                        int num_threads, int64_t* argmax) {
+#if defined(TIDAL_VEC) && defined(__AVX2__)
+  return greedy(static_cast<const float*>(x), static_cast<const uint32_t*>(wpk), static_cast<const int8_t*>(wq),
+                static_cast<const float*>(ws), static_cast<const float*>(a), static_cast<const float*>(b), M, N, K,
+                n_valid, num_threads, argmax);
+#else
+  (void)x; (void)wpk; (void)wq; (void)ws; (void)a; (void)b; (void)M; (void)N; (void)K; (void)n_valid;
+  (void)num_threads; (void)argmax;
+  return -1;
+#endif
+}
+
 int tidal_linear_f32_bf16_packed(const void* x, const void* wpk, const void* bias, void* out, int64_t M, int64_t N,
                                  int64_t K, int num_threads) {
 #if defined(TIDAL_VEC)
