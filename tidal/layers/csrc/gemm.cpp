@@ -374,11 +374,11 @@ struct Rows {  // per row of x: its int16 pairs, scale, |x|, |x - xq|
   const float* err;
 };
 
-// approximations of MR rows x one tile into approx (stride ldA), each row's largest lower bound so far
+// the approximations of MR rows x one tile: each row's largest lower bound so far
 // (lo, 8 lanes) and the tile's largest upper bound per row (hi[m * tiles + t]); nn valid outputs in the tile
 template <int MR>
 static inline void approx_tile(const Rows& r, int64_t m0, const int8_t* wt, int64_t pairs, const float* ws,
-                               const float* a, const float* b, int nn, float* approx, int64_t ldA, __m256* lo,
+                               const float* a, const float* b, int nn, __m256* lo,
                                float* hi, int64_t tiles, int64_t t) {
   alignas(32) int32_t acc[MR * 16];
   int_tile<MR>(r.xq + m0 * r.ldq, r.ldq, wt, pairs, acc);
@@ -394,7 +394,6 @@ static inline void approx_tile(const Rows& r, int64_t m0, const int8_t* wt, int6
           _mm256_fmadd_ps(_mm256_loadu_ps(a + h * 8), _mm256_set1_ps(xn),
                           _mm256_mul_ps(_mm256_loadu_ps(b + h * 8), _mm256_set1_ps(xe))),
           _mm256_set1_ps(1.0f + 1.0f / 1024));
-      _mm256_storeu_ps(approx + row * ldA + h * 8, av);
       _mm256_store_ps(lo_v + h * 8, _mm256_sub_ps(av, bound));
       _mm256_store_ps(hi_v + h * 8, _mm256_add_ps(av, bound));
     }
@@ -421,10 +420,10 @@ static inline void approx_tile(const Rows& r, int64_t m0, const int8_t* wt, int6
 
 template <int MR>
 static inline void approx_rows(int mr, const Rows& r, int64_t m0, const int8_t* wt, int64_t pairs, const float* ws,
-                               const float* a, const float* b, int nn, float* approx, int64_t ldA, __m256* lo,
+                               const float* a, const float* b, int nn, __m256* lo,
                                float* hi, int64_t tiles, int64_t t) {
-  if (mr == MR) approx_tile<MR>(r, m0, wt, pairs, ws, a, b, nn, approx, ldA, lo, hi, tiles, t);
-  else if constexpr (MR > 1) approx_rows<MR - 1>(mr, r, m0, wt, pairs, ws, a, b, nn, approx, ldA, lo, hi, tiles, t);
+  if (mr == MR) approx_tile<MR>(r, m0, wt, pairs, ws, a, b, nn, lo, hi, tiles, t);
+  else if constexpr (MR > 1) approx_rows<MR - 1>(mr, r, m0, wt, pairs, ws, a, b, nn, lo, hi, tiles, t);
 }
 }  // namespace screen
 
@@ -440,19 +439,21 @@ static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const f
   if (qmax < 64 || M < 1 || n_valid < 1) return -1;
   std::vector<int32_t> xq(M * pairs);
   std::vector<float> scale(M), norm(M), err(M);
+  int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : bad)
   for (int64_t m = 0; m < M; ++m) {
     const float* xm = x + m * K;
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) {
-      if (!std::isfinite(xm[k])) return -1;
+      if (!std::isfinite(xm[k])) bad = 1;
       amax = std::max(amax, std::fabs(xm[k]));
     }
-    const float s = amax > 0.f ? amax / float(qmax) : 1.f;
+    const float s = amax > 0.f && std::isfinite(amax) ? amax / float(qmax) : 1.f;
     double n2 = 0, e2 = 0;
     auto q16 = reinterpret_cast<int16_t*>(xq.data() + m * pairs);
     for (int64_t k = 0; k < 2 * pairs; ++k) {
       const float v = k < K ? xm[k] : 0.f;
-      const int64_t q = std::clamp<int64_t>(std::llround(v / s), -qmax, qmax);
+      const float q = std::min(float(qmax), std::max(-float(qmax), std::nearbyint(v / s)));
       q16[k] = static_cast<int16_t>(q);
       const double e = double(v) - double(q) * double(s);
       n2 += double(v) * v;
@@ -463,15 +464,12 @@ static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const f
     norm[m] = std::nextafter(float(std::sqrt(n2)), INFINITY);
     err[m] = std::nextafter(float(std::sqrt(e2)), INFINITY);
   }
+  if (bad) return -1;
   const screen::Rows rows{xq.data(), pairs, scale.data(), norm.data(), err.data()};
-  const int64_t ldA = tiles * 16;
-  // the approximations (M x 49,152 floats for SmolLM2's head: 12.6 MB at 64 rows) and the tiles' upper
-  // bounds, in buffers kept between calls: a fresh 12 MB is page faults and zeroing on every step
-  // (the caller's thread's: the parallel region below reaches them through these pointers)
-  thread_local std::vector<float> approx_buf, hi_buf;
-  if (approx_buf.size() < size_t(M * ldA)) approx_buf.resize(M * ldA);
+  // each tile's largest upper bound per row, in a buffer kept between calls (the caller's thread's: the
+  // parallel region below reaches it through the pointer)
+  thread_local std::vector<float> hi_buf;
   if (hi_buf.size() < size_t(M * tiles)) hi_buf.resize(M * tiles);
-  float* const approx = approx_buf.data();
   float* const hi = hi_buf.data();
   std::vector<__m256> lo_all(size_t(num_threads) * M, _mm256_set1_ps(-INFINITY));
   const int64_t rtiles = (M + screen::kMaxMR - 1) / screen::kMaxMR, base = M / rtiles, extra = M % rtiles;
@@ -484,7 +482,7 @@ static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const f
       for (int64_t i = 0, m = 0; i < rtiles; ++i) {
         const int mr = static_cast<int>(base + (i < extra));
         screen::approx_rows<screen::kMaxMR>(mr, rows, m, wq + t * pairs * 32, pairs, ws + t * 16, a + t * 16,
-                                            b + t * 16, nn, approx + t * 16, ldA, lo, hi, tiles, t);
+                                            b + t * 16, nn, lo, hi, tiles, t);
         m += mr;
       }
     }
