@@ -5,6 +5,9 @@
 - GEMM with bf16 weights and fp32 activations (the `dtype auto` path of CPUs without native bf16): the
   packed kernel the engine runs (weights packed at load) and the plain-layout kernel, against torch's
   fp32 GEMM, for 1 to 2,048 rows, summed over one layer's four products, and the LM head.
+- The LM head of greedy rows under fp32 activations (`--only greedy`): the int8 screen that finds each row's
+  argmax without most of the logits (cpu_kernels.packed_linear_greedy) against the packed product and an
+  argmax over its logits, 1 to 256 rows.
 - bf16 x bf16 GEMM (AVX-512 BF16: the path of prompt chunks and batches in a bf16 model) on the packed
   weight the engine holds and on the plain weight, against oneDNN's GEMM on its own prepacked copy and on
   the plain weight (F.linear), for 16 to 2048 rows, summed over one layer's four products; the LM head
@@ -70,6 +73,26 @@ def gemm(isa: str) -> None:
                 line += f"packed {packed * 1e3:8.3f} ms ({flops / packed / 1e9:6.1f} GFLOP/s), "
             print(line + f"plain {plain * 1e3:8.3f} ms ({flops / plain / 1e9:6.1f}), torch fp32 "
                   f"{reference * 1e3:8.3f} ms ({flops / reference / 1e9:6.1f}): {reference / (packed or plain):5.2f}x")
+
+
+def greedy(isa: str) -> None:
+    """The LM head of greedy rows under fp32 activations: the int8 screen (packed_linear_greedy) against the
+    packed fp32 product and argmax_rows over its logits. Hidden states here are a weight row scaled plus
+    noise (one clear winner, as SmolLM2's decodes mostly have: ~12 candidates of 49,152 on average)."""
+    n, k = SHAPES[4]
+    w = torch.randn(n, k).bfloat16()
+    wp, screen = cpu_kernels.pack_bf16_weight(w), cpu_kernels.greedy_screen(w)
+    if screen is None:
+        return
+    for m in (1, 4, 16, 64, 256):
+        x = w[torch.randint(0, n, (m,))].float() * 4 + torch.randn(m, k)
+        rounds = 5 if m >= 64 else 30
+        full = timed(lambda: cpu_kernels.argmax_rows(cpu_kernels.packed_linear(x, wp, n, k, None)), rounds)
+        fast = timed(lambda: cpu_kernels.packed_linear_greedy(x, wp, n, k, screen, n), rounds)
+        assert cpu_kernels.packed_linear_greedy(x, wp, n, k, screen, n) == cpu_kernels.argmax_rows(
+            cpu_kernels.packed_linear(x, wp, n, k, None))
+        print(f"{isa:12s} greedy lm head rows {m:4d}: screen {fast * 1e3:7.3f} ms, packed product + argmax "
+              f"{full * 1e3:7.3f} ms: {full / fast:5.2f}x")
 
 
 def gemm_bf16(isa: str) -> None:
@@ -290,13 +313,13 @@ def attention(isa: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--isa", nargs="*", default=[i for i in runnable_isas() if i != "generic"])
-    ap.add_argument("--only", choices=["gemm", "gemm_bf16", "quant", "invariant", "attention", "elementwise"],
+    ap.add_argument("--only", choices=["gemm", "greedy", "gemm_bf16", "quant", "invariant", "attention", "elementwise"],
                     default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     for isa in args.isa:
         with isa_override(isa):
-            for name, bench in (("gemm", gemm), ("gemm_bf16", gemm_bf16), ("quant", quant),
+            for name, bench in (("gemm", gemm), ("greedy", greedy), ("gemm_bf16", gemm_bf16), ("quant", quant),
                                  ("invariant", invariant), ("attention", attention), ("elementwise", elementwise)):
                 if args.only in (None, name):
                     bench(isa)
