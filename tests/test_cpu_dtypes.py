@@ -138,3 +138,30 @@ def test_greedy_bf16_decodes_take_their_tokens_from_the_lm_head_kernel(bf16_chec
                            use_tqdm=False)
     assert not found  # logprobs: the sampler's path
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
+
+
+def test_greedy_fp32_rows_take_their_tokens_from_the_lm_heads_int8_screen(bf16_checkpoint):
+    """With fp32 activations on bf16 weights (dtype auto without native bf16), the LM head holds an int8
+    screen and plain greedy steps of any number of rows take their tokens from it (packed_linear_greedy);
+    they are the tokens the sampler's argmax picks from the full logits (a request asking for logprobs),
+    on a random model whose logits lie close together (many candidates a row)."""
+    path, _ = bf16_checkpoint
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(9, 20, 60, 512, seed=6)]
+    with isa_override("avx2"):
+        llm = LLM(path, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8)
+        model = llm.llm_engine.runner.model
+        assert model.lm_head.greedy_screen is not None
+        found, fused = [], model.compute_greedy_tokens
+
+        def counted(hidden):
+            found.append(fused(hidden))
+            return found[-1]
+        model.compute_greedy_tokens = counted
+        plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert found and all(f is not None for f in found)
+        assert max(len(f) for f in found) == len(prompts)  # a step of nine rows
+        found.clear()
+        sampled = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+                               use_tqdm=False)
+        assert not found
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
