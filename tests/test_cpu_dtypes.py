@@ -114,6 +114,25 @@ def test_fp32_compute_with_bf16_weights_is_batch_invariant(bf16_checkpoint):
     assert alone.logprobs == batched.logprobs
 
 
+def _greedy_twice(llm, prompts):
+    """Generate greedily twice, plain and asking for logprobs (the sampler's path, from the full logits):
+    for each run, what the LM head's kernel found at each step and every request's tokens."""
+    model = llm.llm_engine.runner.model
+    fused, runs = model.compute_greedy_tokens, []
+    for logprobs in (None, 1):
+        found = []
+
+        def counted(hidden, found=found):
+            found.append(fused(hidden))
+            return found[-1]
+        model.compute_greedy_tokens = counted
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=logprobs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append((found, [o.outputs[0].token_ids for o in outs]))
+    model.compute_greedy_tokens = fused
+    return runs
+
+
 def test_greedy_bf16_decodes_take_their_tokens_from_the_lm_head_kernel(bf16_checkpoint):
     """With bf16 weights packed at load (AVX-512 BF16), the LM head of plain greedy steps of 1-4 rows finds
     each row's token as it computes the logits, and those are the tokens the sampler's argmax picks from
@@ -123,21 +142,11 @@ def test_greedy_bf16_decodes_take_their_tokens_from_the_lm_head_kernel(bf16_chec
     path, _ = bf16_checkpoint
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 20, 60, 512, seed=5)]
     llm = LLM(path, dtype="bfloat16", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8)
-    model = llm.llm_engine.runner.model
-    found, fused = [], model.compute_greedy_tokens
-
-    def counted(hidden):
-        found.append(fused(hidden))
-        return found[-1]
-    model.compute_greedy_tokens = counted
-    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    (found, plain), (found_sampled, sampled) = _greedy_twice(llm, prompts)
     assert found  # plain greedy steps ask the LM head
     assert all(f is not None for f in found) == packed_gemm_available()
-    found.clear()
-    sampled = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
-                           use_tqdm=False)
-    assert not found  # logprobs: the sampler's path
-    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
+    assert not found_sampled  # logprobs: the sampler's path
+    assert plain == sampled
 
 
 def test_greedy_fp32_rows_take_their_tokens_from_the_lm_heads_int8_screen(bf16_checkpoint):
@@ -149,19 +158,9 @@ def test_greedy_fp32_rows_take_their_tokens_from_the_lm_heads_int8_screen(bf16_c
     prompts = [{"prompt_token_ids": p} for p in random_prompts(9, 20, 60, 512, seed=6)]
     with isa_override("avx2"):
         llm = LLM(path, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8)
-        model = llm.llm_engine.runner.model
-        assert model.lm_head.greedy_screen is not None
-        found, fused = [], model.compute_greedy_tokens
-
-        def counted(hidden):
-            found.append(fused(hidden))
-            return found[-1]
-        model.compute_greedy_tokens = counted
-        plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-        assert found and all(f is not None for f in found)
-        assert max(len(f) for f in found) == len(prompts)  # a step of nine rows
-        found.clear()
-        sampled = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
-                               use_tqdm=False)
-        assert not found
-    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in sampled]
+        assert llm.llm_engine.runner.model.lm_head.greedy_screen is not None
+        (found, plain), (found_sampled, sampled) = _greedy_twice(llm, prompts)
+    assert found and all(f is not None for f in found)
+    assert max(len(f) for f in found) == len(prompts)  # a step of nine rows
+    assert not found_sampled
+    assert plain == sampled
