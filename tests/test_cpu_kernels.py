@@ -339,7 +339,8 @@ def test_greedy_screen_finds_the_packed_products_argmax(isa, n, k):
     ties (equal weight rows, the first wins), a row of zeros (all equal: 0), rows whose logits all lie
     within the screen's bound of each other (every tile a candidate), winners among rows the int8 copy
     cannot tell apart (with no bound, the largest int8 logit alone, some are lost), hidden states with
-    outliers; a row that is not finite, or a weight that is not, leaves it to the caller (None)."""
+    outliers; a row that is not finite, logits that overflow, or a weight that is not finite leave it to
+    the caller (None)."""
     torch.manual_seed(0)
     w = torch.randn(n, k).bfloat16()
     w[n // 3] = w[n - 2]
@@ -372,6 +373,9 @@ def test_greedy_screen_finds_the_packed_products_argmax(isa, n, k):
     bad = x[:3].clone()
     bad[1, 2] = float("nan")
     assert cpu_kernels.packed_linear_greedy(bad, packed, n, k, screen, n) is None
+    huge = x[6:8] * 1e37  # finite, but the winning logits overflow fp32
+    assert not torch.isfinite(cpu_kernels.packed_linear(huge, packed, n, k, None)).all()
+    assert cpu_kernels.packed_linear_greedy(huge, packed, n, k, screen, n) is None
     w[7, 1] = float("inf")
     assert cpu_kernels.greedy_screen(w) is None
 

@@ -378,7 +378,7 @@ struct Rows {  // per row of x: its int16 pairs, scale, |x|, |x - xq|
 // (lo, 8 lanes) and the tile's largest upper bound per row (hi[m * tiles + t]); nn valid outputs in the tile
 template <int MR>
 static inline void approx_tile(const Rows& r, int64_t m0, const int8_t* wt, int64_t pairs, const float* ws,
-                               const float* a, const float* b, int nn, __m256* lo,
+                               const float* a, const float* b, int nn, float* lo,
                                float* hi, int64_t tiles, int64_t t) {
   alignas(32) int32_t acc[MR * 16];
   int_tile<MR>(r.xq + m0 * r.ldq, r.ldq, wt, pairs, acc);
@@ -398,21 +398,19 @@ static inline void approx_tile(const Rows& r, int64_t m0, const int8_t* wt, int6
       _mm256_store_ps(hi_v + h * 8, _mm256_add_ps(av, bound));
     }
     if (nn == 16) {
-      lo[row] = _mm256_max_ps(lo[row], _mm256_max_ps(_mm256_load_ps(lo_v), _mm256_load_ps(lo_v + 8)));
+      _mm256_storeu_ps(lo + row * 8, _mm256_max_ps(_mm256_loadu_ps(lo + row * 8),
+                                                   _mm256_max_ps(_mm256_load_ps(lo_v), _mm256_load_ps(lo_v + 8))));
       const __m256 hv = _mm256_max_ps(_mm256_load_ps(hi_v), _mm256_load_ps(hi_v + 8));
       __m128 h4 = _mm_max_ps(_mm256_castps256_ps128(hv), _mm256_extractf128_ps(hv, 1));
       h4 = _mm_max_ps(h4, _mm_movehl_ps(h4, h4));
       h4 = _mm_max_ss(h4, _mm_shuffle_ps(h4, h4, 1));
       hi[row * tiles + t] = _mm_cvtss_f32(h4);
     } else {  // the last tile: only its valid outputs count
-      alignas(32) float l8[8];
-      _mm256_store_ps(l8, lo[row]);
       float hmax = -INFINITY;
       for (int c = 0; c < nn; ++c) {
-        l8[c % 8] = std::max(l8[c % 8], lo_v[c]);
+        lo[row * 8 + c % 8] = std::max(lo[row * 8 + c % 8], lo_v[c]);
         hmax = std::max(hmax, hi_v[c]);
       }
-      lo[row] = _mm256_load_ps(l8);
       hi[row * tiles + t] = hmax;
     }
   }
@@ -420,7 +418,7 @@ static inline void approx_tile(const Rows& r, int64_t m0, const int8_t* wt, int6
 
 template <int MR>
 static inline void approx_rows(int mr, const Rows& r, int64_t m0, const int8_t* wt, int64_t pairs, const float* ws,
-                               const float* a, const float* b, int nn, __m256* lo,
+                               const float* a, const float* b, int nn, float* lo,
                                float* hi, int64_t tiles, int64_t t) {
   if (mr == MR) approx_tile<MR>(r, m0, wt, pairs, ws, a, b, nn, lo, hi, tiles, t);
   else if constexpr (MR > 1) approx_rows<MR - 1>(mr, r, m0, wt, pairs, ws, a, b, nn, lo, hi, tiles, t);
@@ -429,7 +427,8 @@ static inline void approx_rows(int mr, const Rows& r, int64_t m0, const int8_t* 
 
 // x [M, K] fp32; wpk the packed bf16 weight (tidal_linear_f32_bf16_packed's); wq its int8 copy in tiles
 // ([tiles, pairs, 16, 2]), ws the int8 rows' scales, a and b the bound's terms (all [tiles * 16]).
-// Returns 0 with argmax[m] set, -1 when it does not apply (x not finite, K too large for int32 sums).
+// Returns 0 with argmax[m] set, -1 when it does not apply (x not finite, K too large for int32 sums, a
+// candidate's logit not finite).
 static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const float* ws, const float* a,
                   const float* b, int64_t M, int64_t N, int64_t K, int64_t n_valid, int num_threads, int64_t* argmax) {
   const int64_t pairs = (K + 1) / 2, tiles = (std::min(n_valid, N) + 15) / 16, tstride = pairs * 16;
@@ -471,11 +470,13 @@ static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const f
   thread_local std::vector<float> hi_buf;
   if (hi_buf.size() < size_t(M * tiles)) hi_buf.resize(M * tiles);
   float* const hi = hi_buf.data();
-  std::vector<__m256> lo_all(size_t(num_threads) * M, _mm256_set1_ps(-INFINITY));
+  // each thread's largest lower bound per row, 8 lanes a row
+  std::vector<float> lo_all(size_t(num_threads) * M * 8, -INFINITY);
+  int nonfinite = 0;
   const int64_t rtiles = (M + screen::kMaxMR - 1) / screen::kMaxMR, base = M / rtiles, extra = M % rtiles;
 #pragma omp parallel num_threads(num_threads)
   {
-    __m256* lo = lo_all.data() + size_t(omp_get_thread_num()) * M;
+    float* lo = lo_all.data() + size_t(omp_get_thread_num()) * M * 8;
 #pragma omp for schedule(guided)
     for (int64_t t = 0; t < tiles; ++t) {
       const int nn = static_cast<int>(std::min<int64_t>(16, n_valid - t * 16));
@@ -486,13 +487,12 @@ static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const f
         m += mr;
       }
     }
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic) reduction(| : nonfinite)
     for (int64_t m = 0; m < M; ++m) {
-      __m256 l = lo_all[m];
-      for (int th = 1; th < num_threads; ++th) l = _mm256_max_ps(l, lo_all[size_t(th) * M + m]);
-      alignas(32) float l8[8];
-      _mm256_store_ps(l8, l);
-      const float lb = *std::max_element(l8, l8 + 8);
+      float lb = -INFINITY;
+      for (int th = 0; th < num_threads; ++th)
+        for (int j = 0; j < 8; ++j) lb = std::max(lb, lo_all[(size_t(th) * M + m) * 8 + j]);
+      if (!std::isfinite(lb)) lb = -INFINITY;  // (approximations out of fp32's range: every tile is a candidate)
       float best = -INFINITY;
       int64_t best_i = -1;
       alignas(64) float row[16];
@@ -500,16 +500,18 @@ static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const f
         if (!(hi[m * tiles + t] >= lb)) continue;
         const int nn = static_cast<int>(std::min<int64_t>(16, n_valid - t * 16));
         packed_f32::tile<1, 1>(x + m * K, K, wpk + t * tstride, tstride, K, nullptr, row, 16, 16);
-        for (int c = 0; c < nn; ++c)
+        for (int c = 0; c < nn; ++c) {
+          if (!std::isfinite(row[c])) nonfinite = 1;  // logits out of fp32's range: the caller's argmax decides
           if (row[c] > best || best_i < 0) {
             best = row[c];
             best_i = t * 16 + c;
           }
+        }
       }
       argmax[m] = best_i;
     }
   }
-  return 0;
+  return nonfinite ? -1 : 0;
 }
 #endif
 
