@@ -286,10 +286,9 @@ def pack_bf16_weights(model: torch.nn.Module) -> int:
     screen for greedy rows (cpu_kernels.greedy_screen). Returns the number of tensors packed."""
     for module in model.modules():
         if (isinstance(module, ParallelLMHead) and module.dtype == torch.float32 and module.tp_size == 1
-                and module.weight_scale is None and module.weight.dtype == torch.bfloat16
-                and module.weight.dim() == 2 and module.weight.device.type == "cpu"
-                and packed_gemm_available(torch.float32)):
-            module.greedy_screen = greedy_screen(module.weight.data)  # from the plain weight, before packing
+                and module.weight_scale is None):
+            # from the plain weight, before packing (None unless it is a bf16 CPU weight and the kernel runs)
+            module.greedy_screen = greedy_screen(module.weight.data)
     done: set[int] = set()
     for module in model.modules():
         if isinstance(module, LinearBase):

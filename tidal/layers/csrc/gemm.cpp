@@ -431,8 +431,8 @@ static inline void approx_rows(int mr, const Rows& r, int64_t m0, const int8_t* 
 // candidate's logit not finite).
 static int greedy(const float* x, const uint32_t* wpk, const int8_t* wq, const float* ws, const float* a,
                   const float* b, int64_t M, int64_t N, int64_t K, int64_t n_valid, int num_threads, int64_t* argmax) {
-  const int64_t pairs = (K + 1) / 2, tiles = (std::min(n_valid, N) + 15) / 16, tstride = pairs * 16;
   n_valid = std::min(n_valid, N);
+  const int64_t pairs = (K + 1) / 2, tiles = (n_valid + 15) / 16, tstride = pairs * 16;
   // x's integer range: |sum| <= 2 * pairs * 127 * qmax < 2^31
   const int64_t qmax = std::min<int64_t>(16383, (int64_t(1) << 31) / (2 * pairs * 127 + 1) - 1);
   if (qmax < 64 || M < 1 || n_valid < 1) return -1;
