@@ -598,3 +598,39 @@ def test_argmax_rows_from_several_threads_each_get_their_own_rows():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(check, range(len(inputs))))
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def test_amx_runs_the_bf16_products_exactly_where_the_cpu_has_it(isa):
+    """AMX tiles take the bf16 products on an AVX-512 BF16 build whose CPU has AMX-BF16 (the kernel grants
+    the tile state wherever /proc/cpuinfo lists it), and nowhere else; TIDAL_AMX=0 turns them off."""
+    import subprocess
+    import sys
+    flags = _cpu_flags()
+    want = isa == "avx512_bf16" and {"amx_bf16", "amx_tile"} <= flags
+    assert cpu_kernels.amx_in_use() == want
+    off = subprocess.run([sys.executable, "-c", "from tidal.layers import cpu_kernels; "
+                          "print(int(cpu_kernels.amx_in_use()))"], env={**__import__("os").environ, "TIDAL_AMX": "0"},
+                         capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "0"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 49, 577), (4, 103, 64), (5, 17, 33), (33, 960, 576), (70, 40, 2050)])
+def test_bf16_products_are_the_exact_product_rounded_once_within_fp32_accumulation(isa, m, n, k):
+    """Whichever unit computes them (VDPBF16PS or AMX tiles: each sums its k in its own fp32 order), every
+    bf16 product is the exact one up to fp32 accumulation error and one bf16 rounding, on ragged shapes
+    (odd K, K not a multiple of 32, N not a multiple of 16, a last group of fewer than 16 rows)."""
+    if isa != "avx512_bf16":
+        assert cpu_kernels.bf16_linear(torch.zeros(1, 8).bfloat16(), torch.zeros(8, 8).bfloat16(), None) is None
+        return
+    torch.manual_seed(1)
+    x, w, bias = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    exact = x.double() @ w.double().T + bias.double()
+    bound = (x.double().abs() @ w.double().abs().T) * k * 2.0 ** -24 + exact.abs() * 2.0 ** -8 + 1e-30
+    packed = cpu_kernels.pack_bf16_weight(w)
+    for got in (cpu_kernels.bf16_linear(x, w, bias), cpu_kernels.packed_linear(x, packed, n, k, bias)):
+        assert ((got.double() - exact).abs() <= bound).all()

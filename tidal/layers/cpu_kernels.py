@@ -71,7 +71,8 @@ def describe() -> str:
     if lanes > 1:
         parts.append("silu-and-mul")
     if gemm is not None:
-        parts.append("bf16-weight GEMM" + (" (VDPBF16PS)" if cpu_isa() == "avx512_bf16" else ""))
+        kind = " (AMX tiles)" if amx_in_use() else " (VDPBF16PS)" if cpu_isa() == "avx512_bf16" else ""
+        parts.append("bf16-weight GEMM" + kind)
     if (int8_dot := quant_kernels.int8_dot_kind()) is not None:
         parts.append(f"int8/fp8 GEMM (W8A8: {int8_dot})")
     return f"CPU ISA {cpu_isa()} ({lanes} fp32 lanes): native {', '.join(parts)}"
@@ -219,6 +220,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def _configure_gemm(lib: ctypes.CDLL) -> None:
+    lib.tidal_gemm_amx.restype = ctypes.c_int
+    lib.tidal_gemm_amx.argtypes = []
     lib.tidal_skinny_gemm_bf16.restype = ctypes.c_int
     lib.tidal_skinny_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16.restype = ctypes.c_int
@@ -256,6 +259,14 @@ _GEMM_LIB = NativeLibrary("gemm", os.path.join(os.path.dirname(__file__), "csrc"
 
 def gemm_lib() -> ctypes.CDLL | None:
     return _GEMM_LIB.get()
+
+
+def amx_in_use() -> bool:
+    """Whether the bf16-activation products run on AMX tiles (gemm.cpp: namespace amx): an AVX-512 BF16
+    build on a CPU with AMX-BF16 whose kernel grants the tile state, unless TIDAL_AMX=0. One process takes
+    one path for all of them, so their rows agree bit for bit with each other (not with the other path's)."""
+    lib = _GEMM_LIB.get()
+    return lib is not None and cpu_isa() == "avx512_bf16" and bool(lib.tidal_gemm_amx())
 
 # Up to this many rows the skinny kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
 # GEMM. Measured on SmolLM2's shapes, 2 threads, summed over one layer's four products: 1.6x for one row,

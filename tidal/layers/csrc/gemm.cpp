@@ -33,8 +33,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <omp.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <type_traits>
 #include <vector>
 
@@ -648,6 +654,210 @@ static inline __m512 load_bias(const uint16_t* bias, int64_t n0, __mmask16 nmask
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(nmask, bias + n0)), 16));
 }
 
+// ---- AMX: the same products on Intel's tile units (Sapphire Rapids and later) ----
+// Where the CPU has AMX-BF16 (and the kernel grants the process its tile state), every bf16-activation
+// product of this file that must agree with the others bit for bit (tidal_gemm_bf16 and its ordered
+// skinny form, the packed kernels, the GGUF rows path) runs on the tiles instead: TDPBF16PS multiplies a
+// 16 x 32 tile of x by a 32 x 16 tile of the weight (the packed layout's pairs are the tile layout) into
+// 16 x 16 fp32 sums, 16x the work of a VDPBF16PS. Each output accumulates its K in chunks of 32 in k
+// order from zero, the chunks past K zero-padded on both sides, whatever M is and wherever its row sits,
+// so a row's bits still never depend on the batch; they are not VDPBF16PS's bits (the tile unit rounds
+// inside a chunk its own way), so one process takes one path for all of them: AMX when usable(), else
+// VDPBF16PS. TIDAL_AMX=0 turns it off (the kernels of a CPU without AMX, for comparisons).
+namespace amx {
+
+#define TIDAL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+static bool detect() {
+  const char* env = std::getenv("TIDAL_AMX");
+  if (env && std::strcmp(env, "0") == 0) return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
+  // Linux hands the tile state (8 KiB per thread) to a process only on request
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+static bool usable() {
+  static const bool ok = detect();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// every tile 16 rows of 64 bytes: tmm0-3 sums (2 x 2 blocks of 16 x 16 fp32), tmm4-5 x, tmm6-7 weights
+TIDAL_AMX_TARGET static void configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+TIDAL_AMX_TARGET static void release() { _tile_release(); }
+
+// RB groups of 16 rows of x (a0, a1: bf16 rows lda apart, 32 * chunks values each) against NB weight tiles
+// (b0, b1: 16 pairs x 16 columns per chunk, 256 words a chunk) into c (fp32, 32 columns a row)
+template <int RB, int NB>
+TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
+                                        const uint32_t* b1, int64_t chunks, float* c) {
+  _tile_zero(0);
+  if (NB > 1) _tile_zero(1);
+  if (RB > 1) _tile_zero(2);
+  if (RB > 1 && NB > 1) _tile_zero(3);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    _tile_loadd(4, a0 + ch * 32, lda * 2);
+    _tile_loadd(6, b0 + ch * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB > 1) {
+      _tile_loadd(7, b1 + ch * 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (RB > 1) {
+      _tile_loadd(5, a1 + ch * 32, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NB > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 128);
+  if (NB > 1) _tile_stored(1, c + 16, 128);
+  if (RB > 1) _tile_stored(2, c + 16 * 32, 128);
+  if (RB > 1 && NB > 1) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// Where the weight tiles come from: the packed layout (PACKED), the plain [N, K] rows (PLAIN), or rows of
+// another format made plain 16 at a time (ROWS, src). tile() gives tile t as `chunks` chunks of 16 pairs x
+// 16 columns, zero past K and past N: the packed tile itself when K is a multiple of 32, else a copy.
+struct Weights {
+  enum Kind { PACKED, PLAIN, ROWS } kind;
+  const void* w;
+  RowSource src;
+  int64_t N, K;
+
+  const uint32_t* tile(int64_t t, uint32_t* buf, uint16_t* rows) const {
+    const int64_t pairs = (K + 1) / 2, chunks = (K + 31) / 32;
+    if (kind == PACKED) {
+      const uint32_t* p = static_cast<const uint32_t*>(w) + t * pairs * 16;
+      if (K % 32 == 0) return p;
+      std::memcpy(buf, p, pairs * 16 * 4);
+      std::memset(buf + pairs * 16, 0, (chunks * 16 - pairs) * 16 * 4);
+      return buf;
+    }
+    const int64_t n0 = t * 16;
+    const int nn = (int)std::min<int64_t>(16, N - n0);
+    const uint16_t* wt = static_cast<const uint16_t*>(w) + n0 * K;
+    if (kind == ROWS) {
+      src.fn(w, src.format, n0, nn, K, rows);
+      wt = rows;
+    }
+    for (int64_t p0 = 0; p0 < chunks * 16; p0 += 16) {  // 16 pairs of the 16 rows: one transpose
+      const int64_t k0 = 2 * p0;
+      const __mmask32 mask = k0 >= K ? 0 : K - k0 >= 32 ? ~__mmask32(0) : (__mmask32)((1u << (K - k0)) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < nn ? _mm512_maskz_loadu_epi16(mask, wt + i * K + k0) : _mm512_setzero_si512();
+      simd::transpose16x16(r);  // r[q] lane i: pair p0 + q of weight row n0 + i
+      for (int q = 0; q < 16; ++q) _mm512_storeu_si512(buf + (p0 + q) * 16, r[q]);
+    }
+    return buf;
+  }
+};
+
+// rows [m0, m0 + rows) of the fp32 sums c (32 columns a row) plus bias, rounded, into out's columns
+// [n0, n0 + 16 nb) (those < N)
+static void store_block(const float* c, int64_t rows, int nb, const uint16_t* bias, uint16_t* out, int64_t N,
+                        int64_t m0, int64_t n0) {
+  for (int j = 0; j < nb; ++j) {
+    const int64_t n = n0 + 16 * j;
+    if (n >= N) break;
+    const __mmask16 nmask = (__mmask16)((1u << std::min<int64_t>(16, N - n)) - 1);
+    const __m512 b = load_bias(bias, n, nmask);
+    for (int64_t r = 0; r < rows; ++r) store_row(_mm512_loadu_ps(c + r * 32 + 16 * j), b, nmask, out + (m0 + r) * N + n);
+  }
+}
+
+// out [M, N] = x [M, K] @ W^T (+ bias), bf16, any M >= 1. The threads take pairs of weight tiles (32
+// columns) statically; each pair runs over blocks of 32 rows of x (two tiles of sums each) in panels of
+// ~512 KiB of x (in L2). x is read where it is when K is a multiple of 32; a last group of fewer than 16 rows, or
+// every row when K is not, goes through a zero-padded copy.
+TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uint16_t* bias, uint16_t* out,
+                                  int64_t M, int num_threads) {
+  const int64_t N = w.N, K = w.K, chunks = (K + 31) / 32, Kp = chunks * 32;
+  const int64_t tiles = (N + 15) / 16, pairs_of_tiles = (tiles + 1) / 2, groups = (M + 15) / 16;
+  std::vector<uint16_t> pad;
+  const int64_t full = K % 32 == 0 ? M / 16 : 0;  // groups read in place
+  if (full < groups) {
+    pad.assign((groups - full) * 16 * Kp, 0);
+    for (int64_t m = full * 16; m < M; ++m) std::memcpy(pad.data() + (m - full * 16) * Kp, x + m * K, K * 2);
+  }
+  auto group = [&](int64_t g) { return g < full ? x + g * 16 * K : pad.data() + (g - full) * 16 * Kp; };
+  const int64_t lda = full > 0 ? K : Kp;  // in place and padded rows have the same stride when K % 32 == 0
+  const int64_t panel = std::max<int64_t>(2, (512 * 1024) / (32 * K) / 2 * 2);  // groups of 16 rows per panel
+#pragma omp parallel num_threads(num_threads)
+  {
+    configure();
+    std::vector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
+    std::vector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
+    alignas(64) float c[32 * 32];
+    for (int64_t g0 = 0; g0 < groups; g0 += panel) {
+      const int64_t g1 = std::min(groups, g0 + panel);
+#pragma omp for schedule(static) nowait
+      for (int64_t tp = 0; tp < pairs_of_tiles; ++tp) {
+        const int64_t t0 = 2 * tp;
+        const int nb = t0 + 1 < tiles ? 2 : 1;
+        const uint32_t* b0 = w.tile(t0, bbuf.data(), rows.data());
+        const uint32_t* b1 = nb > 1 ? w.tile(t0 + 1, bbuf.data() + chunks * 256, rows.data()) : b0;
+        for (int64_t g = g0; g < g1; g += 2) {
+          const int rb = g + 1 < g1 ? 2 : 1;
+          const uint16_t* a0 = group(g);
+          const uint16_t* a1 = rb > 1 ? group(g + 1) : a0;
+          if (rb == 2 && nb == 2) tile_block<2, 2>(a0, a1, lda, b0, b1, chunks, c);
+          else if (rb == 2) tile_block<2, 1>(a0, a1, lda, b0, b1, chunks, c);
+          else if (nb == 2) tile_block<1, 2>(a0, a1, lda, b0, b1, chunks, c);
+          else tile_block<1, 1>(a0, a1, lda, b0, b1, chunks, c);
+          store_block(c, std::min<int64_t>(16 * rb, M - 16 * g), nb, bias, out, N, 16 * g, 16 * t0);
+        }
+      }
+    }
+    release();
+  }
+}
+
+// argmax[m] = the first column < n_valid of row m's largest output as stored (NaN never wins; 0 when all
+// are NaN): what skinny_bf16_packed finds as it stores
+static void argmax_rows(const uint16_t* out, int64_t M, int64_t N, int64_t n_valid, int64_t* argmax) {
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = out + m * N;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i where = _mm512_set1_epi32(-1);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t n0 = 0; n0 < n_valid; n0 += 16) {
+      const __mmask16 vmask = (__mmask16)((1u << std::min<int64_t>(16, n_valid - n0)) - 1);
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(vmask, row + n0)), 16));
+      const __mmask16 ord = vmask & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+      const __mmask16 take = _mm512_mask_cmp_ps_mask(ord, v, best, _CMP_GT_OQ) |
+                             (ord & _mm512_cmplt_epi32_mask(where, _mm512_setzero_si512()));
+      best = _mm512_mask_mov_ps(best, take, v);
+      where = _mm512_mask_mov_epi32(where, take, _mm512_add_epi32(lanes, _mm512_set1_epi32((int)n0)));
+    }
+    alignas(64) float bv[16];
+    alignas(64) int32_t bi[16];
+    _mm512_store_ps(bv, best);
+    _mm512_store_si512(bi, where);
+    float v = -INFINITY;
+    int64_t i = -1;
+    for (int l = 0; l < 16; ++l)
+      if (bi[l] >= 0 && (i < 0 || bv[l] > v || (bv[l] == v && bi[l] < i))) v = bv[l], i = bi[l];
+    argmax[m] = i < 0 ? 0 : i;
+  }
+}
+
+}  // namespace amx
+
 // Stores out[m0 + r, n0 + i] = acc[i] lane r (+ bias) for i < nn <= 16 and rows < M.
 static inline void store_16x16(const __m512* acc, const uint16_t* bias, uint16_t* out, int64_t M, int64_t N,
                                int64_t m0, int64_t n0, int nn) {
@@ -731,6 +941,11 @@ enum class Tiles { PLAIN, ROWS };
 template <Tiles T>
 static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, uint16_t* out, int64_t M,
                       int64_t N, int64_t K, int num_threads, RowSource src = {nullptr, 0}) {
+  if (amx::usable()) {
+    amx::gemm(x, amx::Weights{T == Tiles::ROWS ? amx::Weights::ROWS : amx::Weights::PLAIN, w, src, N, K}, bias, out,
+              M, num_threads);
+    return;
+  }
   // Tiles of 16 weight rows, whose K pairs stay in L1/L2 while the panel of x passes: two groups of 16
   // rows of x at a time against each half (16 accumulators); a last single group against all 16
   // (again 16 accumulators, enough to hide VDPBF16PS's latency).
@@ -800,6 +1015,11 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
 template <int M>
 static void skinny_bf16_ordered(const uint16_t* x, const void* wv, const uint16_t* bias, uint16_t* out,
                                 int64_t N, int64_t K, int num_threads, RowSource src = {nullptr, 0}) {
+  if (amx::usable()) {
+    amx::gemm(x, amx::Weights{src.fn ? amx::Weights::ROWS : amx::Weights::PLAIN, wv, src, N, K}, bias, out, M,
+              num_threads);
+    return;
+  }
   const uint16_t* w = static_cast<const uint16_t*>(wv);
   const int64_t pairs = (K + 1) / 2;  // the last one (x_last, 0) when K is odd
   std::vector<uint32_t> xpairs(M * pairs, 0);
@@ -857,6 +1077,11 @@ template <int M>
 static void skinny_bf16_packed(const uint16_t* x, const uint32_t* wpk, const uint16_t* bias, uint16_t* out,
                                int64_t N, int64_t K, int num_threads, int64_t* argmax = nullptr,
                                int64_t n_valid = 0) {
+  if (amx::usable()) {
+    amx::gemm(x, amx::Weights{amx::Weights::PACKED, wpk, {nullptr, 0}, N, K}, bias, out, M, num_threads);
+    if (argmax) amx::argmax_rows(out, M, N, n_valid, argmax);
+    return;
+  }
   const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
   uint32_t xpairs[M][1024];  // K <= 2048 here (the caller checks); larger K takes the heap copy
   std::vector<uint32_t> heap;
@@ -1033,6 +1258,10 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
 // it is: no copy of it in another layout (docs/cpu.md, "The bf16 products").
 static void gemm_bf16_cols(const uint16_t* x, const uint32_t* wpk, const uint16_t* bias, uint16_t* out, int64_t M,
                            int64_t N, int64_t K, int num_threads) {
+  if (amx::usable()) {
+    amx::gemm(x, amx::Weights{amx::Weights::PACKED, wpk, {nullptr, 0}, N, K}, bias, out, M, num_threads);
+    return;
+  }
   constexpr int MR = 8, NV = 3;  // 24 accumulators, 3 weight vectors and a broadcast: 28 of 32 registers
   const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
   const int64_t tiles = (N + 15) / 16, groups = (tiles + NV - 1) / NV;
@@ -1194,6 +1423,15 @@ int tidal_skinny_gemm_bf16_ordered(const void* x, const void* w, const void* bia
 #else
   (void)x; (void)w; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
   return -1;
+#endif
+}
+
+// 1 when the bf16-activation products run on AMX tiles here (see namespace amx), else 0
+int tidal_gemm_amx() {
+#if defined(__AVX512BF16__)
+  return amx::usable() ? 1 : 0;
+#else
+  return 0;
 #endif
 }
 
