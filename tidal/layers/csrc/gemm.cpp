@@ -701,10 +701,11 @@ TIDAL_AMX_TARGET static void configure() {
 TIDAL_AMX_TARGET static void release() { _tile_release(); }
 
 // RB groups of 16 rows of x (a0, a1: bf16 rows lda apart, 32 * chunks values each) against NB weight tiles
-// (b0, b1: 16 pairs x 16 columns per chunk, 256 words a chunk) into c (fp32, 32 columns a row)
+// (b0, b1: 16 pairs x 16 columns per chunk, 256 words a chunk) into the sum tiles, left there (store_tiles
+// takes them out: the caller does other work meanwhile, while the last products complete)
 template <int RB, int NB>
 TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
-                                        const uint32_t* b1, int64_t chunks, float* c) {
+                                        const uint32_t* b1, int64_t chunks) {
   _tile_zero(0);
   if (NB > 1) _tile_zero(1);
   if (RB > 1) _tile_zero(2);
@@ -723,6 +724,11 @@ TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, 
       if (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+// tile_block's sums into c (fp32, 32 columns a row)
+template <int RB, int NB>
+TIDAL_AMX_TARGET static void store_tiles(float* c) {
   _tile_stored(0, c, 128);
   if (NB > 1) _tile_stored(1, c + 16, 128);
   if (RB > 1) _tile_stored(2, c + 16 * 32, 128);
@@ -802,7 +808,7 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
     configure();
     std::vector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
     std::vector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
-    alignas(64) float c[32 * 32];
+    alignas(64) float c[2][32 * 32];  // a block's sums, and the block before it's, rounded and stored meanwhile
     for (int64_t g0 = 0; g0 < groups; g0 += panel) {
       const int64_t g1 = std::min(groups, g0 + panel);
 #pragma omp for schedule(static) nowait
@@ -811,16 +817,25 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
         const int nb = t0 + 1 < tiles ? 2 : 1;
         const uint32_t* b0 = w.tile(t0, bbuf.data(), rows.data());
         const uint32_t* b1 = nb > 1 ? w.tile(t0 + 1, bbuf.data() + chunks * 256, rows.data()) : b0;
+        int64_t pending = -1, pending_rows = 0;  // the group whose sums wait in c[its parity] (-1: none)
         for (int64_t g = g0; g < g1; g += 2) {
           const int rb = g + 1 < g1 ? 2 : 1;
           const uint16_t* a0 = group(g);
           const uint16_t* a1 = rb > 1 ? group(g + 1) : a0;
-          if (rb == 2 && nb == 2) tile_block<2, 2>(a0, a1, lda, b0, b1, chunks, c);
-          else if (rb == 2) tile_block<2, 1>(a0, a1, lda, b0, b1, chunks, c);
-          else if (nb == 2) tile_block<1, 2>(a0, a1, lda, b0, b1, chunks, c);
-          else tile_block<1, 1>(a0, a1, lda, b0, b1, chunks, c);
-          store_block(c, std::min<int64_t>(16 * rb, M - 16 * g), nb, bias, out, N, 16 * g, 16 * t0);
+          float* cur = c[(g / 2) % 2];
+          if (rb == 2 && nb == 2) tile_block<2, 2>(a0, a1, lda, b0, b1, chunks);
+          else if (rb == 2) tile_block<2, 1>(a0, a1, lda, b0, b1, chunks);
+          else if (nb == 2) tile_block<1, 2>(a0, a1, lda, b0, b1, chunks);
+          else tile_block<1, 1>(a0, a1, lda, b0, b1, chunks);
+          if (pending >= 0)  // while the tiles finish: the block before's outputs
+            store_block(c[(pending / 2) % 2], pending_rows, nb, bias, out, N, 16 * pending, 16 * t0);
+          if (rb == 2 && nb == 2) store_tiles<2, 2>(cur);
+          else if (rb == 2) store_tiles<2, 1>(cur);
+          else if (nb == 2) store_tiles<1, 2>(cur);
+          else store_tiles<1, 1>(cur);
+          pending = g, pending_rows = std::min<int64_t>(16 * rb, M - 16 * g);
         }
+        if (pending >= 0) store_block(c[(pending / 2) % 2], pending_rows, nb, bias, out, N, 16 * pending, 16 * t0);
       }
     }
     release();
