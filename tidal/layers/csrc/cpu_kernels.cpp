@@ -420,6 +420,96 @@ static HeadsFn heads_kernel_for(int64_t G, int64_t D, int64_t bs) {
 }
 
 #if defined(__AVX512BF16__)
+// The scores of scores_bf16 (below) on AMX tiles, where simd::amx_usable(): for each group of 16 tokens, the
+// K rows of dims 2p and 2p + 1 interleaved into (dim 2p, dim 2p + 1) pairs per token (the same permute) make
+// a weight tile of 16 pairs x 16 tokens per 32 dims, and TDPBF16PS multiplies the R query rows (a tile of
+// 16 rows, those past R zero) by it: each score one sum over the head's dims in chunks of 32, from zero in
+// dim order, whatever R is and whichever tokens share its group, so a row's scores are the same alone (a
+// decode's G rows) or in a tile of 12 (a prompt chunk, decodes sharing a prefix). Tiles: tmm0 the sums,
+// tmm1-4 the query's chunks (D <= 128), tmm5-6 the K tiles in turn.
+template <int CH>
+TIDAL_AMX_TARGET static inline void load_query_chunks(const uint16_t* qa) {
+  _tile_loadd(1, qa, 64);
+  if constexpr (CH > 1) _tile_loadd(2, qa + 512, 64);
+  if constexpr (CH > 2) _tile_loadd(3, qa + 1024, 64);
+  if constexpr (CH > 3) _tile_loadd(4, qa + 1536, 64);
+}
+
+template <int CHI>
+TIDAL_AMX_TARGET static inline void score_chunk(const uint32_t* kb) {
+  // (the tile numbers are written out: the intrinsics paste them into the instruction)
+  if constexpr (CHI % 2 == 0) _tile_loadd(5, kb, 64);
+  else _tile_loadd(6, kb, 64);
+  if constexpr (CHI == 0) _tile_dpbf16ps(0, 1, 5);
+  else if constexpr (CHI == 1) _tile_dpbf16ps(0, 2, 6);
+  else if constexpr (CHI == 2) _tile_dpbf16ps(0, 3, 5);
+  else _tile_dpbf16ps(0, 4, 6);
+}
+
+template <int R, int C>
+TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, const uint16_t* k_cache,
+                                             const uint16_t* v_cache, const int64_t* table, int64_t t_begin,
+                                             int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
+                                             float* scores) {
+  constexpr int64_t D = C * 16;
+  constexpr int CH = C / 2;  // chunks of 32 dims
+  static_assert(C % 2 == 0 && CH <= 4 && R <= 16, "AMX scores: D a multiple of 32 up to 128, at most 16 rows");
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i perm = _mm512_load_si512(kInterleave);
+  alignas(64) uint16_t qa[CH][16][32];  // the query rows' chunks, rows past R zero
+  std::memset(qa, 0, sizeof(qa));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CH; ++c) std::memcpy(qa[c][r], qb + r * D + 32 * c, 64);
+  alignas(64) uint32_t kb[CH][16][16];  // this group's K tiles: [chunk][pair][token]
+  alignas(64) float sums[16][16];
+  simd::TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+  load_query_chunks<CH>(&qa[0][0][0]);
+  const __m512 sv = _mm512_set1_ps(scale);
+  const int64_t chunk_bytes = D * bs * 2;
+  constexpr int64_t ahead = 8;  // groups of 16 tokens: scores_bf16's two steps of 4
+  for (int64_t t0 = t_begin; t0 < std::min(t_end, t_begin + ahead * 16); t0 += bs)
+    prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs] * Hk + h) * D * bs), chunk_bytes);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+    const int64_t blk = table[t0 / bs], off = t0 % bs;
+    const uint16_t* base = k_cache + (blk * Hk + h) * D * bs + off;
+    if (off == 0) {
+      const int64_t next = t0 + ahead * 16;
+      if (next < t_end && next % bs < 16)
+        prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[next / bs] * Hk + h) * D * bs),
+                                    chunk_bytes);
+      prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (blk * Hk + h) * D * bs), chunk_bytes);
+    }
+    for (int64_t p = 0; p < D / 2; ++p) {
+      __m512i rows;
+      if (bs == 16) {
+        rows = _mm512_loadu_si512(base + 2 * p * 16);
+      } else {
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * bs));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * bs));
+        rows = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+      }
+      _mm512_store_si512(kb[p / 16][p % 16], _mm512_permutexvar_epi16(perm, rows));
+    }
+    _tile_zero(0);
+    score_chunk<0>(&kb[0][0][0]);
+    if constexpr (CH > 1) score_chunk<1>(&kb[1][0][0]);
+    if constexpr (CH > 2) score_chunk<2>(&kb[2][0][0]);
+    if constexpr (CH > 3) score_chunk<3>(&kb[3][0][0]);
+    _tile_stored(0, sums, 64);
+    const int64_t n = std::min<int64_t>(16, t_end - t0);
+    const __mmask16 nmask = (__mmask16)((1u << n) - 1);
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(scores + r * stride + t0, nmask, _mm512_mul_ps(_mm512_load_ps(sums[r]), sv));
+  }
+  _tile_release();
+}
+#endif
+
+#if defined(__AVX512BF16__)
 // bf16 cache: the dot products run on VDPBF16PS (pairs of bf16 products accumulated in fp32, twice
 // the work of an fp32 FMA per instruction). Scores: q . k with q, k in bf16 (exact products), then
 // scaled. K rows of dims 2p and 2p+1 (16 tokens each) are interleaved into (dim 2p, dim 2p+1) pairs per
@@ -428,6 +518,12 @@ template <int G, int C>
 static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache, const uint16_t* v_cache,
                         const int64_t* table, int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk,
                         int64_t bs, float* scores) {
+  if constexpr (C / 2 <= 4 && G <= 16) {
+    if (simd::amx_usable()) {
+      scores_bf16_amx<G, C>(qb, scale, k_cache, v_cache, table, t_begin, t_end, stride, h, Hk, bs, scores);
+      return;
+    }
+  }
   constexpr int64_t D = C * 16;
   // TV groups of 16 tokens (possibly of different blocks) are in flight at once, so that G * TV
   // independent VDPBF16PS chains hide the instruction's latency when G is small (a decode's query heads
@@ -532,6 +628,114 @@ static void bf16_pairs(const float* scores, int64_t stride, int64_t rows, int64_
 
 static constexpr int pow2_floor(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
 
+// accumulate_bf16 (below) on AMX tiles, where simd::amx_usable() and bs is a multiple of 16: per group of 16
+// tokens (groups from t_begin, a multiple of bs: the same groups whichever call covers a token), the rows' 8
+// probability pairs (a tile of G rows x 32 bytes) times, per 32 dims, the unpacklo and unpackhi of V rows
+// t and t + 1 (accumulate_bf16's interleave: tiles of 8 token pairs x 16 dims in the accumulators' lane
+// order), into sum tiles that are acc's rows: acc[g][c][16] is row g of sum tile c, loaded (or zeroed when
+// init) and stored with a row stride of C * 16 floats. A last odd token pairs with zero, and pairs past the
+// range are zero on both sides, as in accumulate_bf16. Tiles: tmm0-3 the sums of up to 64 dims per pass,
+// tmm4 the probabilities, tmm5-6 V.
+template <int J>
+TIDAL_AMX_TARGET static inline void acc_tile_load(float* acc, int64_t ldb, bool init) {
+  if (init) {
+    if constexpr (J == 0) _tile_zero(0);
+    else if constexpr (J == 1) _tile_zero(1);
+    else if constexpr (J == 2) _tile_zero(2);
+    else _tile_zero(3);
+  } else {
+    if constexpr (J == 0) _tile_loadd(0, acc, ldb);
+    else if constexpr (J == 1) _tile_loadd(1, acc, ldb);
+    else if constexpr (J == 2) _tile_loadd(2, acc, ldb);
+    else _tile_loadd(3, acc, ldb);
+  }
+}
+
+template <int J>
+TIDAL_AMX_TARGET static inline void acc_tile_store(float* acc, int64_t ldb) {
+  if constexpr (J == 0) _tile_stored(0, acc, ldb);
+  else if constexpr (J == 1) _tile_stored(1, acc, ldb);
+  else if constexpr (J == 2) _tile_stored(2, acc, ldb);
+  else _tile_stored(3, acc, ldb);
+}
+
+// sum tile J += probabilities (tmm4) x the V tile at vb
+template <int J>
+TIDAL_AMX_TARGET static inline void acc_tile_step(const uint32_t* vb) {
+  if constexpr (J % 2 == 0) _tile_loadd(5, vb, 64);
+  else _tile_loadd(6, vb, 64);
+  if constexpr (J == 0) _tile_dpbf16ps(0, 4, 5);
+  else if constexpr (J == 1) _tile_dpbf16ps(1, 4, 6);
+  else if constexpr (J == 2) _tile_dpbf16ps(2, 4, 5);
+  else _tile_dpbf16ps(3, 4, 6);
+}
+
+template <int G, int C>
+TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t half, const uint16_t* v_cache,
+                                                 const int64_t* table, int64_t t_begin, int64_t t_end, int64_t h,
+                                                 int64_t Hk, int64_t bs, float* acc, bool init) {
+  constexpr int64_t D = C * 16;
+  static_assert(C % 2 == 0 && G <= 16, "AMX weighted sum: D a multiple of 32, at most 16 rows");
+  simd::TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = G;
+  cfg.colsb[4] = 32, cfg.rows[4] = G;
+  cfg.colsb[5] = cfg.colsb[6] = 64, cfg.rows[5] = cfg.rows[6] = 8;
+  _tile_loadconfig(&cfg);
+  const int64_t ldb = C * 16 * 4;  // acc's row stride in bytes
+  const int64_t chunk_bytes = D * bs * 2;
+  alignas(64) uint32_t pa[16][8];   // a last group's probabilities, zero past the range
+  alignas(64) uint32_t vb[4][8][16];  // this pass's V tiles: [sum tile][token pair][16 dims]
+  for (int c0 = 0; c0 < C; c0 += 4) {  // passes of up to 64 dims (4 sum tiles)
+    const int nc = (int)std::min<int64_t>(4, C - c0);
+    acc_tile_load<0>(acc + c0 * 16, ldb, init);
+    acc_tile_load<1>(acc + (c0 + 1) * 16, ldb, init);
+    if (nc > 2) {
+      acc_tile_load<2>(acc + (c0 + 2) * 16, ldb, init);
+      acc_tile_load<3>(acc + (c0 + 3) * 16, ldb, init);
+    }
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, t_end - t0), np = (n + 1) / 2;
+      const uint16_t* block = v_cache + (table[t0 / bs] * Hk + h) * bs * D + (t0 % bs) * D + c0 * 16;
+      if (c0 == 0 && t0 % bs == 0 && t0 + bs < t_end)
+        prefetch_bytes(reinterpret_cast<const char*>(v_cache + (table[t0 / bs + 1] * Hk + h) * bs * D), chunk_bytes);
+      for (int64_t k = 0; k < 8; ++k) {
+        for (int u = 0; u < nc / 2; ++u) {
+          __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+          if (k < np) {
+            const uint16_t* r0p = block + 2 * k * D + u * 32;
+            const __m512i r0 = _mm512_loadu_si512(r0p);
+            const __m512i r1 = 2 * k + 1 < n ? _mm512_loadu_si512(r0p + D) : _mm512_setzero_si512();
+            lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+          }
+          _mm512_store_si512(vb[2 * u][k], lo);
+          _mm512_store_si512(vb[2 * u + 1][k], hi);
+        }
+      }
+      if (n == 16) {
+        _tile_loadd(4, ppairs + t0 / 2, half * 4);
+      } else {
+        std::memset(pa, 0, sizeof(pa));
+        for (int g = 0; g < G; ++g) std::memcpy(pa[g], ppairs + g * half + t0 / 2, np * 4);
+        _tile_loadd(4, pa, 32);
+      }
+      acc_tile_step<0>(&vb[0][0][0]);
+      acc_tile_step<1>(&vb[1][0][0]);
+      if (nc > 2) {
+        acc_tile_step<2>(&vb[2][0][0]);
+        acc_tile_step<3>(&vb[3][0][0]);
+      }
+    }
+    acc_tile_store<0>(acc + c0 * 16, ldb);
+    acc_tile_store<1>(acc + (c0 + 1) * 16, ldb);
+    if (nc > 2) {
+      acc_tile_store<2>(acc + (c0 + 2) * 16, ldb);
+      acc_tile_store<3>(acc + (c0 + 3) * 16, ldb);
+    }
+  }
+  _tile_release();
+}
+
 // Weighted sum of V rows over the bf16 probability pairs of bf16_pairs (row g at ppairs + g * half): rows
 // t and t + 1 are interleaved into (token t, token t + 1) pairs per dim, so one VDPBF16PS adds two tokens.
 // Tokens [t_begin, t_end), t_begin a multiple of bs (bs is even: a pair never straddles two blocks). acc
@@ -540,6 +744,12 @@ static constexpr int pow2_floor(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2
 template <int G, int C>
 static void accumulate_bf16(const uint32_t* ppairs, int64_t half, const uint16_t* v_cache, const int64_t* table,
                             int64_t t_begin, int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init) {
+  if constexpr (G <= 16) {
+    if (simd::amx_usable() && bs % 16 == 0) {
+      accumulate_bf16_amx<G, C>(ppairs, half, v_cache, table, t_begin, t_end, h, Hk, bs, acc, init);
+      return;
+    }
+  }
   constexpr int64_t D = C * 16;
   constexpr int C2 = C / 2, P2 = pow2_floor(std::min(C2, std::max(1, 12 / G)));
   static_assert(C2 % P2 == 0, "passes cover the head dim");

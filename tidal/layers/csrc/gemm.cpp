@@ -36,11 +36,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <omp.h>
-#if defined(__x86_64__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #include <type_traits>
 #include <vector>
 
@@ -666,29 +661,9 @@ static inline __m512 load_bias(const uint16_t* bias, int64_t n0, __mmask16 nmask
 // VDPBF16PS. TIDAL_AMX=0 turns it off (the kernels of a CPU without AMX, for comparisons).
 namespace amx {
 
-#define TIDAL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+static bool usable() { return simd::amx_usable(); }
 
-static bool detect() {
-  const char* env = std::getenv("TIDAL_AMX");
-  if (env && std::strcmp(env, "0") == 0) return false;
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
-  // Linux hands the tile state (8 KiB per thread) to a process only on request
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-static bool usable() {
-  static const bool ok = detect();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using simd::TileConfig;
 
 // every tile 16 rows of 64 bytes: tmm0-3 sums (2 x 2 blocks of 16 x 16 fp32), tmm4-5 x, tmm6-7 weights
 TIDAL_AMX_TARGET static void configure() {

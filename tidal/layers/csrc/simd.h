@@ -4,9 +4,15 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -248,6 +254,36 @@ template <int HINT = _MM_HINT_T0>
 inline void prefetch_bytes(const char* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) _mm_prefetch(p + i, (_mm_hint)HINT);
 }
+#endif
+
+#if defined(__AVX512BF16__) && defined(__x86_64__)
+// AMX (Intel Sapphire Rapids and later): whether this process may run the tile instructions. CPUID leaf 7
+// must list AMX-BF16 and AMX-TILE, and Linux must grant the process the tile state (8 KiB per thread,
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), without which the first tile instruction faults.
+// TIDAL_AMX=0 says no. Asked once per library; every kernel with an AMX path takes it exactly when this is
+// true, so that the kernels whose results must agree bit for bit take the same path in a process.
+inline bool detect_amx() {
+  const char* env = std::getenv("TIDAL_AMX");
+  if (env && std::strcmp(env, "0") == 0) return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+inline bool amx_usable() {
+  static const bool ok = detect_amx();
+  return ok;
+}
+
+// Tile register layouts: `rows` rows of `colsb` bytes for tiles 0-7 (palette 1)
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+#define TIDAL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 #endif
 
 }  // namespace simd
