@@ -420,6 +420,11 @@ static HeadsFn heads_kernel_for(int64_t G, int64_t D, int64_t bs) {
 }
 
 #if defined(__AVX512BF16__)
+// Both scores kernels' permute of K rows 2p and 2p + 1 (16 tokens each, one 512-bit load) into per-token
+// pairs: output lane 2i <- element i (row 2p, token i); lane 2i + 1 <- element 16 + i (row 2p + 1, token i)
+alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 // The scores of scores_bf16 (below) on AMX tiles, where simd::amx_usable(): for each group of 16 tokens, the
 // K rows of dims 2p and 2p + 1 interleaved into (dim 2p, dim 2p + 1) pairs per token (the same permute) make
 // a weight tile of 16 pairs x 16 tokens per 32 dims, and TDPBF16PS multiplies the R query rows (a tile of
@@ -454,8 +459,6 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
   constexpr int64_t D = C * 16;
   constexpr int CH = C / 2;  // chunks of 32 dims
   static_assert(C % 2 == 0 && CH <= 4 && R <= 16, "AMX scores: D a multiple of 32 up to 128, at most 16 rows");
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i perm = _mm512_load_si512(kInterleave);
   alignas(64) uint16_t qa[CH][16][32];  // the query rows' chunks, rows past R zero
   std::memset(qa, 0, sizeof(qa));
@@ -530,9 +533,6 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
   // per KV head); each score is still one chain over the dim pairs in order, whatever TV is.
   constexpr int TV = std::max(1, std::min(4, 16 / G));
   constexpr int64_t STEP = TV * 16;
-  // output lane 2i <- element i (row 2p, token i); lane 2i + 1 <- element 16 + i (row 2p + 1, token i)
-  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i perm = _mm512_load_si512(kInterleave);
   uint32_t qpair[G][D / 2];
   for (int g = 0; g < G; ++g) std::memcpy(qpair[g], qb + g * D, D * 2);
