@@ -266,6 +266,24 @@ def test_packed_gemm_gives_the_blocked_gemms_bits_for_any_number_of_rows(isa, n,
                        cpu_kernels.bf16_linear(x[:2].contiguous(), w, None))
 
 
+@pytest.mark.parametrize("n,k", [(1000, 576), (103, 64), (40, 577)])  # several weight groups a thread; K % 32 != 0
+def test_packed_gemm_of_a_thousand_rows_and_more_gives_each_row_the_bits_of_a_small_batch(isa, n, k):
+    """From 1,024 rows the tile kernel runs its blocks in another order (each block of rows over a group of
+    weight tiles): every row still gets the bits a batch of a few rows gives, with a last group of 12 rows
+    and a last weight tile of 8 columns."""
+    if isa != "avx512_bf16":
+        return
+    torch.manual_seed(2)
+    x, w, bias = torch.randn(1100, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    packed = cpu_kernels.pack_bf16_weight(w)
+    full = cpu_kernels.packed_linear(x, packed, n, k, bias)
+    for rows in (slice(0, 1), slice(0, 40), slice(500, 533), slice(1088, 1100)):
+        assert torch.equal(cpu_kernels.packed_linear(x[rows].contiguous(), packed, n, k, bias), full[rows]), rows
+    exact = x.double() @ w.double().T + bias.double()
+    bound = (x.double().abs() @ w.double().abs().T) * k * 2.0 ** -24 + exact.abs() * 2.0 ** -8 + 1e-30
+    assert ((full.double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("n,k", [(103, 576), (960, 577), (40, 33), (17, 2050), (1000, 64)])
 def test_packed_fp32_gemm_rows_do_not_depend_on_the_batch(isa, n, k):
     """fp32 activations on a bf16 weight packed at load (dtype auto without native bf16): each output one
