@@ -282,6 +282,13 @@ def test_packed_gemm_of_a_thousand_rows_and_more_gives_each_row_the_bits_of_a_sm
     exact = x.double() @ w.double().T + bias.double()
     bound = (x.double().abs() @ w.double().abs().T) * k * 2.0 ** -24 + exact.abs() * 2.0 ** -8 + 1e-30
     assert ((full.double() - exact).abs() <= bound).all()
+    x[5, 0], w[7, 3] = float("inf"), float("nan")  # row 5 infinite, column 7 NaN: the bf16 NaN 0x7fc0
+    packed = cpu_kernels.pack_bf16_weight(w)
+    full = cpu_kernels.packed_linear(x, packed, n, k, bias).view(torch.int16)
+    assert (full[:, 7] == 0x7fc0).all() and full.view(torch.bfloat16)[5, 8:].isinf().all()
+    for rows in (slice(0, 1), slice(0, 40), slice(1088, 1100)):
+        got = cpu_kernels.packed_linear(x[rows].contiguous(), packed, n, k, bias)
+        assert torch.equal(got.view(torch.int16), full[rows]), rows
 
 
 @pytest.mark.parametrize("n,k", [(103, 576), (960, 577), (40, 33), (17, 2050), (1000, 64)])

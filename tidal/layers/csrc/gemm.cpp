@@ -750,8 +750,34 @@ struct Weights {
 
 // rows [m0, m0 + rows) of the fp32 sums c (32 columns a row) plus bias, rounded, into out's columns
 // [n0, n0 + 16 nb) (those < N)
+// store_row's 32 outputs for two tiles side by side: one 64-byte row
+static inline __m512i rounded_pair(__m512 lo, __m512 hi, __m512 bias_lo, __m512 bias_hi) {
+  const __m512i idx = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24,
+                                       22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);  // the low halves of both
+  lo = _mm512_add_ps(lo, bias_lo);
+  hi = _mm512_add_ps(hi, bias_hi);
+  const __m512i nan = _mm512_set1_epi32(0x7fc0);
+  const __m512i l = _mm512_mask_mov_epi32(_mm512_srli_epi32(simd::bf16_bits(lo), 16),
+                                          _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q), nan);
+  const __m512i h = _mm512_mask_mov_epi32(_mm512_srli_epi32(simd::bf16_bits(hi), 16),
+                                          _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q), nan);
+  return _mm512_permutex2var_epi16(l, idx, h);
+}
+
+// stream: 64-byte rows go around the caches (non-temporal stores: no read of the line first), for outputs
+// far larger than L2 (the caller fences before the outputs are read)
 static void store_block(const float* c, int64_t rows, int nb, const uint16_t* bias, uint16_t* out, int64_t N,
-                        int64_t m0, int64_t n0) {
+                        int64_t m0, int64_t n0, bool stream = false) {
+  if (nb == 2 && n0 + 32 <= N) {  // 32 whole columns: one 64-byte store a row
+    const __m512 b0 = load_bias(bias, n0, 0xffff), b1 = load_bias(bias, n0 + 16, 0xffff);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i v = rounded_pair(_mm512_loadu_ps(c + r * 32), _mm512_loadu_ps(c + r * 32 + 16), b0, b1);
+      uint16_t* dst = out + (m0 + r) * N + n0;
+      if (stream && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+      else _mm512_storeu_si512(dst, v);
+    }
+    return;
+  }
   for (int j = 0; j < nb; ++j) {
     const int64_t n = n0 + 16 * j;
     if (n >= N) break;
@@ -769,6 +795,7 @@ struct BlockPipe {
   alignas(64) float c[2][32 * 32];
   int64_t pend_g = -1, pend_t0 = 0, pend_rows = 0;
   int pend_nb = 2, parity = 0;
+  bool stream = false;  // store_block's
 
   TIDAL_AMX_TARGET void run(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
                             const uint32_t* b1, int64_t chunks, int rb, int nb, int64_t g, int64_t t0, int64_t M,
@@ -789,7 +816,7 @@ struct BlockPipe {
 
   // the waiting block's outputs, if any
   void flush(const uint16_t* bias, uint16_t* out, int64_t N) {
-    if (pend_g >= 0) store_block(c[parity ^ 1], pend_rows, pend_nb, bias, out, N, 16 * pend_g, 16 * pend_t0);
+    if (pend_g >= 0) store_block(c[parity ^ 1], pend_rows, pend_nb, bias, out, N, 16 * pend_g, 16 * pend_t0, stream);
     pend_g = -1;
   }
 };
@@ -802,9 +829,10 @@ struct BlockPipe {
 //   from L2);
 // - more: a thread's pairs go in groups of ~512 KiB of weights (in L2), and each block of rows runs over a
 //   group's pairs (the block in L1), so that a row's outputs are written in runs of the group's columns
-//   rather than 64 bytes at a time down the rows. Measured on the AMX Xeon (30 layers of SmolLM2's
-//   products, weights not in the caches, docs/cpu.md): 4,096 rows 460 -> 405 ms, 3,072 rows 315 ->
-//   290 ms; 256 rows 30 -> 33 ms (the first order kept there).
+//   rather than 64 bytes at a time down the rows, and streamed around the caches (they are far larger
+//   than L2). Measured on the AMX Xeon (30 layers of SmolLM2's products, weights not in the caches,
+//   docs/cpu.md): 4,096 rows 460 -> 405 ms, 3,072 rows 315 -> 290 ms, then streamed 4,096 rows 410 ->
+//   355 ms (300 ms without storing the outputs at all); 256 rows 30 -> 33 ms (the first order kept there).
 static constexpr int64_t kRowsWide = 1024;
 
 TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uint16_t* bias, uint16_t* out,
@@ -829,6 +857,7 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
     std::vector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
     std::vector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
     BlockPipe pipe;
+    pipe.stream = wide;
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t p_begin = pairs_of_tiles * tid / nth, p_end = pairs_of_tiles * (tid + 1) / nth;
     for (int64_t g0 = 0; g0 < groups; g0 += panel) {
@@ -864,6 +893,7 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
       }
     }
     pipe.flush(bias, out, N);
+    if (wide) _mm_sfence();  // the streamed rows visible before the threads join
     release();
   }
 }
