@@ -340,7 +340,7 @@ static void accumulate_vec(const float* p, int64_t stride, const void* v_cache, 
 // out: [Hk][G][D] fp32 rows.
 template <int DT, int G, int C>
 static void decode_heads(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
-                         int64_t Hk, int64_t bs, std::vector<float>& work, float* out) {
+                         int64_t Hk, int64_t bs, simd::avector<float>& work, float* out) {
   constexpr int64_t D = C * W;
   // G * TV accumulators + G broadcasts + one K vector within AVX2's 16 registers
   constexpr int TV = G <= 3 ? 4 : 2;
@@ -389,7 +389,7 @@ static void decode_heads(const float* qf, const void* k_cache, const void* v_cac
 }
 
 using HeadsFn = void (*)(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
-                         int64_t Hk, int64_t bs, std::vector<float>& work, float* out);
+                         int64_t Hk, int64_t bs, simd::avector<float>& work, float* out);
 
 // decode_heads for G query heads per KV head and head_dim D (AVX2 builds: measured there), or none
 template <int DT, int G>
@@ -926,7 +926,7 @@ struct TileSource {
 template <bool BF16>
 static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf, int64_t m, int64_t G, int64_t D,
                         float scale, const void* k_cache, const void* v_cache, const int64_t* const* tables,
-                        const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs, std::vector<float>& work,
+                        const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs, simd::avector<float>& work,
                         float* acc, float* out, const TileSource* src = nullptr) {
   const TileSource shared = src ? *src : TileSource{k_cache, v_cache, tables[0], h, Hk};
   const int64_t R = m * G;
@@ -1179,7 +1179,7 @@ template <int RV>
 static void attend_tile_lanes(const RowKernels& one, float* qf, int64_t m, int64_t G, int64_t D, float scale,
                               const void* k_cache, const void* v_cache, const int64_t* const* tables,
                               const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs,
-                              std::vector<float>& work, float* out, const float* kw, const float* vw) {
+                              simd::avector<float>& work, float* out, const float* kw, const float* vw) {
   constexpr int64_t RW = 8 * RV;
   const int64_t R = m * G;
   int64_t stride = S, ends[8];
@@ -1324,7 +1324,8 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
   if (heads && static_cast<int64_t>(tiles.size()) == B) {
 #pragma omp parallel num_threads(num_threads)
     {
-      std::vector<float> qf(Hq * D), res(Hq * D), work;
+      std::vector<float> qf(Hq * D), res(Hq * D);
+      simd::avector<float> work;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < B; ++b) {
         widen<QDT>(q, b * q_stride, Hq * D, qf.data());
@@ -1354,7 +1355,8 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
 #endif
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> qf(QT * G * D), acc(QT * G * D), res(QT * G * D), work;
+    std::vector<float> qf(QT * G * D), res(QT * G * D);
+    simd::avector<float> acc(QT * G * D), work;
     int64_t lens[8];
     const int64_t* tabs[8];
 #if defined(TIDAL_VEC)

@@ -839,7 +839,7 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
                                   int64_t M, int num_threads) {
   const int64_t N = w.N, K = w.K, chunks = (K + 31) / 32, Kp = chunks * 32;
   const int64_t tiles = (N + 15) / 16, pairs_of_tiles = (tiles + 1) / 2, groups = (M + 15) / 16;
-  std::vector<uint16_t> pad;
+  simd::avector<uint16_t> pad;
   const int64_t full = K % 32 == 0 ? M / 16 : 0;  // groups read in place
   if (full < groups) {
     pad.assign((groups - full) * 16 * Kp, 0);
@@ -854,8 +854,8 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
 #pragma omp parallel num_threads(num_threads)
   {
     configure();
-    std::vector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
-    std::vector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
+    simd::avector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
+    simd::avector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
     BlockPipe pipe;
     pipe.stream = wide;
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -1027,12 +1027,12 @@ static void gemm_bf16(const uint16_t* x, const void* w, const uint16_t* bias, ui
   const int64_t groups = (M + 15) / 16;
   const int64_t panel = std::max<int64_t>(2, (384 * 1024) / (gstride * 4) / 2 * 2);
   const int64_t tiles = (N + NT - 1) / NT;
-  static thread_local std::vector<uint32_t> packed;
+  static thread_local simd::avector<uint32_t> packed;
   packed.resize(std::min(panel, groups) * gstride);
   uint32_t* xp = packed.data();
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<uint16_t> tile_rows;  // the last plain tile padded with zero rows to NT; a ROWS tile
+    simd::avector<uint16_t> tile_rows;  // the last plain tile padded with zero rows to NT; a ROWS tile
     if (T == Tiles::ROWS) tile_rows.assign(NT * K, 0);
     for (int64_t g0 = 0; g0 < groups; g0 += panel) {
       const int64_t ng = std::min(panel, groups - g0);
@@ -1093,7 +1093,7 @@ static void skinny_bf16_ordered(const uint16_t* x, const void* wv, const uint16_
   }
   const uint16_t* w = static_cast<const uint16_t*>(wv);
   const int64_t pairs = (K + 1) / 2;  // the last one (x_last, 0) when K is odd
-  std::vector<uint32_t> xpairs(M * pairs, 0);
+  simd::avector<uint32_t> xpairs(M * pairs, 0);
   for (int m = 0; m < M; ++m) std::memcpy(xpairs.data() + m * pairs, x + m * K, K * 2);
   const int64_t tiles = (N + 15) / 16;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -1102,7 +1102,7 @@ static void skinny_bf16_ordered(const uint16_t* x, const void* wv, const uint16_
     const int nn = (int)std::min<int64_t>(16, N - n0);
     const uint16_t* wt = w + n0 * K;  // this tile's rows
     if (src.fn) {
-      static thread_local std::vector<uint16_t> rows;
+      static thread_local simd::avector<uint16_t> rows;
       rows.resize(16 * K);
       src.fn(wv, src.format, n0, nn, K, rows.data());
       wt = rows.data();

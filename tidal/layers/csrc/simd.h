@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <new>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -22,6 +24,24 @@
 #endif
 
 namespace simd {
+
+// Working buffers start on a cache line: a 64-byte vector or tile row that straddles two lines costs two
+// loads (malloc aligns to 16 bytes). avector<T>: a std::vector whose storage is 64-byte aligned.
+template <class T>
+struct LineAlloc {
+  using value_type = T;
+  LineAlloc() = default;
+  template <class U>
+  LineAlloc(const LineAlloc<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const LineAlloc<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const LineAlloc<U>&) const { return false; }
+};
+template <class T>
+using avector = std::vector<T, LineAlloc<T>>;
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16; float f; std::memcpy(&f, &u, 4); return f;
