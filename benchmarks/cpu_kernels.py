@@ -11,7 +11,8 @@
 - bf16 x bf16 GEMM (AVX-512 BF16: the path of prompt chunks and batches in a bf16 model) on the packed
   weight the engine holds and on the plain weight, against oneDNN's GEMM on its own prepacked copy and on
   the plain weight (F.linear), for 16 to 2048 rows, summed over one layer's four products; the LM head
-  alone up to 256 rows (it sees one row per sequence).
+  alone up to 256 rows (it sees one row per sequence); and a step's products through 30 layers of weights
+  of their own (not in the caches) for 64 rows (a decode batch) and 4,096 (an offline prompt step).
 - Products with 8-bit weights (tidal/layers/quant_kernels.py) against the bf16 kernels on the same
   shapes, for 1, 4, 16 and 128 rows: int8 and fp8 weights widened in registers under fp32 (W8A16),
   W8A8 (per-token int8 activations, VPDPBUSD or VPMADDUBSW), beside the bf16 skinny kernel (rows <= 4)
@@ -115,6 +116,8 @@ def gemm_bf16(isa: str) -> None:
               f"({flops / packed / 1e9:6.1f} GFLOP/s), plain weight {native * 1e3:7.3f} ms "
               f"({flops / native / 1e9:6.1f}), oneDNN prepacked {onednn * 1e3:7.3f} ms ({onednn / packed:5.2f}x), "
               f"oneDNN plain {plain * 1e3:7.3f} ms ({plain / packed:5.2f}x)")
+        if m in (64, 2048):
+            stack(isa, m if m == 64 else 4096)
         if m <= 256:  # the LM head sees one row per sequence
             n, k = SHAPES[-1]
             x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
@@ -122,6 +125,30 @@ def gemm_bf16(isa: str) -> None:
             head = timed(lambda: cpu_kernels.packed_linear(x, ours, n, k, None), max(3, min(20, 512 // m)))
             print(f"{isa:12s} bf16 gemm rows {m:4d}, LM head: {head * 1e3:7.3f} ms "
                   f"({2 * m * n * k / head / 1e9:6.1f} GFLOP/s)")
+
+
+def stack(isa: str, m: int) -> None:
+    """A step's products through 30 layers, each with weights of its own (SmolLM2's 200 MB: not in the
+    caches, as in the engine): the packed kernel against oneDNN on the plain weights, mean of 5 steps."""
+    layer = [(n, k) for n, k in SHAPES if n != 49152]
+    plain = [[torch.randn(n, k).bfloat16() for n, k in layer] for _ in range(30)]
+    packed = [[cpu_kernels.pack_bf16_weight(w) for w in ws] for ws in plain]
+    xs = {k: torch.randn(m, k).bfloat16() for _, k in layer}
+
+    def ours():
+        for ws in packed:
+            for (n, k), w in zip(layer, ws):
+                cpu_kernels.packed_linear(xs[k], w, n, k, None)
+
+    def onednn():
+        for ws in plain:
+            for (n, k), w in zip(layer, ws):
+                F.linear(xs[k], w)
+
+    a, b = timed(ours, 5), timed(onednn, 5)
+    flops = 30 * 2 * m * sum(n * k for n, k in layer)
+    print(f"{isa:12s} bf16 gemm rows {m:4d}, 30 layers' weights (not in the caches): packed {a * 1e3:7.1f} ms "
+          f"({flops / a / 1e9:6.1f} GFLOP/s), oneDNN plain {b * 1e3:7.1f} ms ({b / a:5.2f}x)")
 
 
 def elementwise(isa: str) -> None:
