@@ -9,6 +9,8 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 // one linear layer: out[M, n] = x[M, k] @ W^T (+ bias), by the kernel its Python method would call
@@ -108,17 +110,16 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
   // the activations' buffers: kept between calls up to kKeepBytes (a decode step's few kilobytes, a prompt
   // chunk's megabytes), made for the call alone beyond
   constexpr int64_t kKeepBytes = int64_t{128} << 20;
-  thread_local std::vector<uint8_t> kept;
-  std::vector<uint8_t> once;
+  // (on cache lines: a row that straddles two costs the tile loads and the products' stores twice the
+  // traffic; a 4,096-token prompt step's products ran at half the speed on malloc's 16-byte alignment)
+  thread_local simd::avector<uint8_t> kept;
+  simd::avector<uint8_t> once;
   const int64_t sizes[] = {T * H, T * H, T * qkv_size, T * (q_size + kv_size), T * q_size, T * 2 * I, T * I, T * H};
   int64_t total = 0;
   for (int64_t s : sizes) total += (s * es + 63) / 64 * 64;
-  std::vector<uint8_t>& scratch = total <= kKeepBytes ? kept : once;
-  if (static_cast<int64_t>(scratch.size()) < total + 63) scratch.resize(total + 63);
-  // every buffer on a cache line of its own: malloc aligns to 16 bytes, and a row that straddles two lines
-  // costs the tile loads and the products' stores twice the traffic (a 4,096-token prompt step's products
-  // ran at half the speed of the same products on aligned buffers)
-  uint8_t* p = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  simd::avector<uint8_t>& scratch = total <= kKeepBytes ? kept : once;
+  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+  uint8_t* p = scratch.data();
   void* buf[8];
   for (int i = 0; i < 8; ++i) { buf[i] = p; p += (sizes[i] * es + 63) / 64 * 64; }
   void* normed = buf[0];

@@ -635,13 +635,16 @@ static void pack_group(const uint16_t* x, int64_t M, int64_t K, int64_t m0, int6
   }
 }
 
-// 16 fp32 outputs (one row's, columns [n0, n0 + nn)) plus the bias, rounded to bf16 (nearest even, NaN
-// kept NaN) and stored at dst
-static inline void store_row(__m512 v, __m512 bias, __mmask16 nmask, uint16_t* dst) {
+// 16 fp32 outputs plus the bias, rounded to bf16 (nearest even, NaN kept NaN): each lane's low 16 bits
+static inline __m512i rounded_bits(__m512 v, __m512 bias) {
   v = _mm512_add_ps(v, bias);
-  __m512i bits = _mm512_srli_epi32(simd::bf16_bits(v), 16);
-  bits = _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(dst, nmask, _mm512_cvtepi32_epi16(bits));
+  const __m512i bits = _mm512_srli_epi32(simd::bf16_bits(v), 16);
+  return _mm512_mask_mov_epi32(bits, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+// 16 fp32 outputs (one row's, columns [n0, n0 + nn)) plus the bias, rounded (rounded_bits) and stored at dst
+static inline void store_row(__m512 v, __m512 bias, __mmask16 nmask, uint16_t* dst) {
+  _mm256_mask_storeu_epi16(dst, nmask, _mm512_cvtepi32_epi16(rounded_bits(v, bias)));
 }
 
 static inline __m512 load_bias(const uint16_t* bias, int64_t n0, __mmask16 nmask) {
@@ -748,24 +751,16 @@ struct Weights {
   }
 };
 
-// rows [m0, m0 + rows) of the fp32 sums c (32 columns a row) plus bias, rounded, into out's columns
-// [n0, n0 + 16 nb) (those < N)
 // store_row's 32 outputs for two tiles side by side: one 64-byte row
 static inline __m512i rounded_pair(__m512 lo, __m512 hi, __m512 bias_lo, __m512 bias_hi) {
   const __m512i idx = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24,
                                        22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);  // the low halves of both
-  lo = _mm512_add_ps(lo, bias_lo);
-  hi = _mm512_add_ps(hi, bias_hi);
-  const __m512i nan = _mm512_set1_epi32(0x7fc0);
-  const __m512i l = _mm512_mask_mov_epi32(_mm512_srli_epi32(simd::bf16_bits(lo), 16),
-                                          _mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q), nan);
-  const __m512i h = _mm512_mask_mov_epi32(_mm512_srli_epi32(simd::bf16_bits(hi), 16),
-                                          _mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q), nan);
-  return _mm512_permutex2var_epi16(l, idx, h);
+  return _mm512_permutex2var_epi16(rounded_bits(lo, bias_lo), idx, rounded_bits(hi, bias_hi));
 }
 
-// stream: 64-byte rows go around the caches (non-temporal stores: no read of the line first), for outputs
-// far larger than L2 (the caller fences before the outputs are read)
+// rows [m0, m0 + rows) of the fp32 sums c (32 columns a row) plus bias, rounded, into out's columns
+// [n0, n0 + 16 nb) (those < N). stream: 64-byte rows go around the caches (non-temporal stores: no read of
+// the line first), for outputs far larger than L2 (the caller fences before the outputs are read)
 static void store_block(const float* c, int64_t rows, int nb, const uint16_t* bias, uint16_t* out, int64_t N,
                         int64_t m0, int64_t n0, bool stream = false) {
   if (nb == 2 && n0 + 32 <= N) {  // 32 whole columns: one 64-byte store a row
