@@ -291,6 +291,29 @@ def test_packed_gemm_of_a_thousand_rows_and_more_gives_each_row_the_bits_of_a_sm
         assert torch.equal(got.view(torch.int16), full[rows]), rows
 
 
+@pytest.mark.parametrize("rows,d,k,bias", [(5, 48, 64, False), (37, 1536, 576, False), (300, 32, 577, True),
+                                            (1100, 64, 576, True)])
+def test_gate_up_with_silu_in_its_epilogue_is_bitwise_the_product_then_silu_and_mul(isa, rows, d, k, bias):
+    """On AMX the gate/up product can hand its outputs to silu-and-mul in the epilogue (gate tile j paired
+    with up tile j, the [rows, 2d] product never stored): bitwise the two kernels one after the other, with
+    a bias, K not a multiple of 32, 1,100 rows (the other block order), NaN and inf. Elsewhere, and for
+    fewer than 5 rows, it declines."""
+    torch.manual_seed(3)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(2 * d, k).bfloat16()
+    b = torch.randn(2 * d).bfloat16() if bias else None
+    x[rows // 2] *= 40  # large gates: silu's exp at both ends
+    if rows > 100:
+        x[3, 5], w[7, 2], w[d + 9, 4] = float("inf"), float("nan"), float("-inf")
+    packed = cpu_kernels.pack_bf16_weight(w)
+    fused = cpu_kernels.packed_linear_silu(x, packed, 2 * d, k, b)
+    if not cpu_kernels.amx_in_use():
+        assert fused is None
+        return
+    reference = cpu_kernels.silu_and_mul(cpu_kernels.packed_linear(x, packed, 2 * d, k, b))
+    assert fused is not None and torch.equal(fused.view(torch.int16), reference.view(torch.int16))
+    assert cpu_kernels.packed_linear_silu(x[:4].contiguous(), packed, 2 * d, k, b) is None
+
+
 @pytest.mark.parametrize("n,k", [(103, 576), (960, 577), (40, 33), (17, 2050), (1000, 64)])
 def test_packed_fp32_gemm_rows_do_not_depend_on_the_batch(isa, n, k):
     """fp32 activations on a bf16 weight packed at load (dtype auto without native bf16): each output one

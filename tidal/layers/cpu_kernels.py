@@ -236,6 +236,8 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_skinny_gemm_bf16_ordered.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16_packed.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_gemm_bf16_packed_silu.restype = ctypes.c_int
+    lib.tidal_gemm_bf16_packed_silu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16_packed_argmax.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed_argmax.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
                                                   + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64])
@@ -388,6 +390,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
     kernel = lib.tidal_gemm_bf16_packed if x.dtype == torch.bfloat16 else lib.tidal_linear_f32_bf16_packed
     return _run_linear(x, n, k, bias, lambda xp, bp, op, m: kernel(
         xp, packed.data_ptr(), bp, op, m, n, k, torch.get_num_threads()))
+
+
+def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+    """silu(gate) * up of a gate/up product [gate; up] (W [n, k] held packed, n = 2 d) of bf16 rows x [rows, k]
+    as one kernel (the products on AMX tiles, silu-and-mul in their epilogue, the [rows, n] product never
+    stored): bitwise `silu_and_mul(packed_linear(x, ...))`. None when it does not apply (no AMX, fewer than 5
+    rows, d not a multiple of 16)."""
+    lib = _GEMM_LIB.get()
+    if (lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != k
+            or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+        return None
+    out = torch.empty(x.shape[0], n // 2, dtype=x.dtype)
+    if lib.tidal_gemm_bf16_packed_silu(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                       out.data_ptr(), x.shape[0], n, k, torch.get_num_threads()) != 0:
+        return None
+    return out
 
 
 def packed_linear_argmax(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,

@@ -47,6 +47,8 @@ struct Model {
   const void* write_kv;
   const void* attention;
   const void* silu_and_mul;
+  const void* gate_up_silu;  // or null: gate/up and silu-and-mul in one call (tidal_gemm_bf16_packed_silu), where
+                             // every layer's gate/up is the packed bf16 product; -1 from it: the two calls
   const float* cos_full;
   const float* sin_signed;
   const Layer* layers;
@@ -191,8 +193,11 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
     if (run_linear(L.o, attn, out, R, dt, th)) return 1;
     rms_norm(out, res, L.post_norm, normed, res_other, R, H, m->eps, dt, th);
     std::swap(res, res_other);
-    if (run_linear(L.gate_up, normed, gate_up, R, dt, th)) return 1;
-    if (silu(gate_up, act, R, I, dt, th)) return 1;
+    if (!m->gate_up_silu || reinterpret_cast<gemm_fn>(m->gate_up_silu)(normed, L.gate_up.w, L.gate_up.bias, act, R,
+                                                                         L.gate_up.n, L.gate_up.k, th) != 0) {
+      if (run_linear(L.gate_up, normed, gate_up, R, dt, th)) return 1;
+      if (silu(gate_up, act, R, I, dt, th)) return 1;
+    }
     if (run_linear(L.down, act, out, R, dt, th)) return 1;
     h = out;
   }

@@ -782,6 +782,25 @@ static void store_block(const float* c, int64_t rows, int nb, const uint16_t* bi
   }
 }
 
+// The fused gate/up epilogue (gemm's silu_cols): rows [m0, m0 + rows) of a block whose two tiles are gate
+// columns [n0, n0 + 16) and the up columns of the same index (c: 32 fp32 sums a row, gate then up), each
+// plus its bias and rounded as store_row rounds, then silu(gate) * up as tidal_silu_and_mul computes it from
+// those stored values (s = round(g / (1 + exp(-g))); round(s * u)), into out's columns [n0, n0 + 16), rows
+// `cols` apart: the same bits as the product followed by silu-and-mul, without the product's output. (Not
+// streamed: half a line per row and block, which the write-combining buffers would flush half full.)
+static void store_block_silu(const float* c, int64_t rows, const uint16_t* bias, uint16_t* out, int64_t cols,
+                             int64_t m0, int64_t n0) {
+  const __m512 bg = load_bias(bias, n0, 0xffff), bu = load_bias(bias, cols + n0, 0xffff);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(_mm512_loadu_ps(c + r * 32), bg), 16));
+    const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(_mm512_loadu_ps(c + r * 32 + 16), bu), 16));
+    const __m512 e = simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = simd::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    const __m256i v = _mm512_cvtepi32_epi16(_mm512_srli_epi32(simd::bf16_bits(_mm512_mul_ps(s, u)), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * cols + n0), v);
+  }
+}
+
 // One 32 x 32 block of the output through the tiles, with the epilogue of the block before overlapped:
 // the sums of block (g, t0) (rb groups of 16 rows of x, nb weight tiles) go to the tiles; while they
 // finish, the block before's sums (waiting in the other half of c) are rounded and stored; then this
@@ -791,6 +810,7 @@ struct BlockPipe {
   int64_t pend_g = -1, pend_t0 = 0, pend_rows = 0;
   int pend_nb = 2, parity = 0;
   bool stream = false;  // store_block's
+  int64_t silu_cols = 0;  // > 0: the blocks are (gate, up) tile pairs, stored by store_block_silu
 
   TIDAL_AMX_TARGET void run(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
                             const uint32_t* b1, int64_t chunks, int rb, int nb, int64_t g, int64_t t0, int64_t M,
@@ -811,7 +831,10 @@ struct BlockPipe {
 
   // the waiting block's outputs, if any
   void flush(const uint16_t* bias, uint16_t* out, int64_t N) {
-    if (pend_g >= 0) store_block(c[parity ^ 1], pend_rows, pend_nb, bias, out, N, 16 * pend_g, 16 * pend_t0, stream);
+    if (pend_g >= 0) {
+      if (silu_cols > 0) store_block_silu(c[parity ^ 1], pend_rows, bias, out, silu_cols, 16 * pend_g, 16 * pend_t0);
+      else store_block(c[parity ^ 1], pend_rows, pend_nb, bias, out, N, 16 * pend_g, 16 * pend_t0, stream);
+    }
     pend_g = -1;
   }
 };
@@ -828,12 +851,21 @@ struct BlockPipe {
 //   than L2). Measured on the AMX Xeon (30 layers of SmolLM2's products, weights not in the caches,
 //   docs/cpu.md): 4,096 rows 460 -> 405 ms, 3,072 rows 315 -> 290 ms, then streamed 4,096 rows 410 ->
 //   355 ms (300 ms without storing the outputs at all); 256 rows 30 -> 33 ms (the first order kept there).
+//
+// silu: W is a gate/up product's [gate; up] (N = 2 I, I a multiple of 16), and out [M, I] gets silu(gate) *
+// up (store_block_silu): a thread's blocks pair gate tile j with up tile I / 16 + j instead of tiles 2j
+// and 2j + 1, so each block holds the two halves of 16 outputs; the product's own output is never stored.
 static constexpr int64_t kRowsWide = 1024;
 
 TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uint16_t* bias, uint16_t* out,
-                                  int64_t M, int num_threads) {
+                                  int64_t M, int num_threads, bool silu = false) {
   const int64_t N = w.N, K = w.K, chunks = (K + 31) / 32, Kp = chunks * 32;
   const int64_t tiles = (N + 15) / 16, pairs_of_tiles = (tiles + 1) / 2, groups = (M + 15) / 16;
+  // tile pair tp: tiles first(tp) and second(tp) (the second is first's unless nb(tp) == 2)
+  const int64_t up_tiles = silu ? N / 32 : 0;
+  auto first = [&](int64_t tp) { return silu ? tp : 2 * tp; };
+  auto second = [&](int64_t tp) { return silu ? tp + up_tiles : 2 * tp + 1; };
+  auto nb_of = [&](int64_t tp) { return silu || 2 * tp + 1 < tiles ? 2 : 1; };
   simd::avector<uint16_t> pad;
   const int64_t full = K % 32 == 0 ? M / 16 : 0;  // groups read in place
   if (full < groups) {
@@ -852,7 +884,8 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
     simd::avector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
     simd::avector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
     BlockPipe pipe;
-    pipe.stream = wide;
+    pipe.stream = wide && !silu;
+    pipe.silu_cols = silu ? N / 2 : 0;
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     const int64_t p_begin = pairs_of_tiles * tid / nth, p_end = pairs_of_tiles * (tid + 1) / nth;
     for (int64_t g0 = 0; g0 < groups; g0 += panel) {
@@ -865,10 +898,10 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
             const uint16_t* a0 = group(g);
             const uint16_t* a1 = rb > 1 ? group(g + 1) : a0;
             for (int64_t tp = q0; tp < q1; ++tp) {
-              const int64_t t0 = 2 * tp;
-              const int nb = t0 + 1 < tiles ? 2 : 1;
+              const int64_t t0 = first(tp);
+              const int nb = nb_of(tp);
               const uint32_t* b0 = w.tile(t0, nullptr, nullptr);
-              pipe.run(a0, a1, lda, b0, nb > 1 ? w.tile(t0 + 1, nullptr, nullptr) : b0, chunks, rb, nb, g, t0, M,
+              pipe.run(a0, a1, lda, b0, nb > 1 ? w.tile(second(tp), nullptr, nullptr) : b0, chunks, rb, nb, g, t0, M,
                        bias, out, N);
             }
           }
@@ -876,10 +909,10 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
         continue;
       }
       for (int64_t tp = p_begin; tp < p_end; ++tp) {
-        const int64_t t0 = 2 * tp;
-        const int nb = t0 + 1 < tiles ? 2 : 1;
+        const int64_t t0 = first(tp);
+        const int nb = nb_of(tp);
         const uint32_t* b0 = w.tile(t0, bbuf.data(), rows.data());
-        const uint32_t* b1 = nb > 1 ? w.tile(t0 + 1, bbuf.data() + chunks * 256, rows.data()) : b0;
+        const uint32_t* b1 = nb > 1 ? w.tile(second(tp), bbuf.data() + chunks * 256, rows.data()) : b0;
         for (int64_t g = g0; g < g1; g += 2) {
           const int rb = g + 1 < g1 ? 2 : 1;
           const uint16_t* a0 = group(g);
@@ -1541,6 +1574,23 @@ int tidal_gemm_bf16_packed(const void* x, const void* wpk, const void* bias, voi
   return -1;
 #endif
 }
+// x [M, K] bf16, wpk the packed weight of a gate/up product [gate; up] of [N, K] (N = 2 I), bias [N] bf16 or
+// null, out [M, I] bf16 = silu(gate) * up: bitwise tidal_gemm_bf16_packed followed by tidal_silu_and_mul,
+// without the product's [M, N] output. Runs on the AMX tiles from 5 rows (the rows the packed product takes
+// there); returns -1 when it does not apply (no AMX, fewer rows, I not a multiple of 16) and nothing ran.
+int tidal_gemm_bf16_packed_silu(const void* x, const void* wpk, const void* bias, void* out, int64_t M, int64_t N,
+                                int64_t K, int num_threads) {
+#if defined(__AVX512BF16__)
+  if (M < 5 || N % 32 != 0 || !amx::usable()) return -1;
+  amx::gemm(static_cast<const uint16_t*>(x), amx::Weights{amx::Weights::PACKED, wpk, {nullptr, 0}, N, K},
+            static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), M, num_threads, true);
+  return 0;
+#else
+  (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+
 // tidal_gemm_bf16_packed for M 1..4, and argmax[m] = the first column < n_valid of row m's largest output
 // (tidal_argmax_rows on out[:, :n_valid]). Returns -1 (nothing run) for other M or without AVX-512 BF16.
 int tidal_gemm_bf16_packed_argmax(const void* x, const void* wpk, const void* bias, void* out, int64_t M, int64_t N,
