@@ -175,6 +175,22 @@ def test_taking_more_blocks_than_free_raises_and_changes_nothing():
     pool.check_invariants()
 
 
+def test_a_prefix_cache_reset_hands_out_blocks_used_before_ahead_of_fresh_ones():
+    """Blocks handed out before (their memory committed) come before never-used ones after a reset, in
+    their queue order; without a reset, cached blocks stay behind the fresh ones (LRU eviction last)."""
+    pool = BlockPool(8)
+    first = pool.get_new_blocks(3)  # blocks 0, 1, 2
+    for i, b in enumerate(first):
+        pool.cache_full_block(b, bytes([i]))
+    pool.free_blocks(reversed(first))  # cached, at the back: 3..7 come first
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 4]
+    pool.free_blocks(pool.blocks[3:5][::-1])
+    assert pool.reset_prefix_cache() == 3
+    assert list(pool.free_queue)[:5] == [2, 1, 0, 4, 3]  # warm, in the order they were freed
+    assert [b.block_id for b in pool.get_new_blocks(6)] == [2, 1, 0, 4, 3, 5]
+    pool.check_invariants()
+
+
 def test_allocation_failure_leaves_request_untouched():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     req = Request("a", list(range(1, 13)), SamplingParams())
