@@ -63,7 +63,8 @@ class _Model(Structure):
                                              "max_blocks")] + [
         ("eps", c_float), ("scale", c_float), ("dtype", c_int32), ("threads", c_int32),
         ("rms_norm", c_void_p), ("rope", c_void_p), ("write_kv", c_void_p), ("attention", c_void_p),
-        ("silu_and_mul", c_void_p), ("gate_up_silu", c_void_p), ("cos_full", c_void_p), ("sin_signed", c_void_p), ("layers", POINTER(_Layer))]
+        ("silu_and_mul", c_void_p), ("gate_up_silu", c_void_p), ("cos_full", c_void_p), ("sin_signed", c_void_p),
+        ("layers", POINTER(_Layer))]
 
 
 def _configure(lib: ctypes.CDLL) -> None:
@@ -247,7 +248,7 @@ class NativeDecoder:
         # gate/up and silu-and-mul as one product where every layer's gate/up is the packed bf16 one (the
         # same bits; the kernel says no where it does not apply, and the two calls run)
         packed_gemm = _addr(cpu_kernels.gemm_lib(), "tidal_gemm_bf16_packed") if x_dtype == torch.bfloat16 else None
-        gate_up_silu = (None if os.environ.get("TIDAL_AB_NOFUSE") else _addr(cpu_kernels.gemm_lib(), "tidal_gemm_bf16_packed_silu")
+        gate_up_silu = (_addr(cpu_kernels.gemm_lib(), "tidal_gemm_bf16_packed_silu")
                         if packed_gemm is not None and all(e.gate_up.fn == packed_gemm and e.gate_up.kind == 0
                                                            for e in entries) else None)
         first = self.layers[0]
@@ -259,8 +260,8 @@ class NativeDecoder:
                        first.mlp.down_proj.in_features, kv.shape[3], 0, first.input_layernorm.eps, a.attn.scale,
                        _DTYPES[x_dtype], threads, _addr(lib, "tidal_rms_norm"), _addr(lib, "tidal_rope_neox"),
                        _addr(lib, "tidal_write_kv"), _addr(lib, "tidal_paged_attention_decode"),
-                       _addr(lib, "tidal_silu_and_mul"), gate_up_silu, rotary.cos_full.data_ptr(), rotary.sin_signed.data_ptr(),
-                       array)
+                       _addr(lib, "tidal_silu_and_mul"), gate_up_silu, rotary.cos_full.data_ptr(),
+                       rotary.sin_signed.data_ptr(), array)
         model._keep = (array, rotary)
         return model
 

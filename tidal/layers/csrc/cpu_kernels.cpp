@@ -451,6 +451,52 @@ TIDAL_AMX_TARGET static inline void score_chunk(const uint32_t* kb) {
   else _tile_dpbf16ps(0, 4, 6);
 }
 
+// A group of 16 tokens' K (base: dim 0 of its first token, rows bs apart) as the scores' tiles: kb[CH][16
+// pairs][16 tokens] words, (dim 2p, dim 2p + 1) per token; tokens past the block's end hold whatever follows
+// (their scores are never stored)
+template <int C>
+static inline void permute_k_group(const uint16_t* base, int64_t bs, const __m512i perm, uint32_t* kb) {
+  for (int64_t p = 0; p < C * 8; ++p) {
+    __m512i rows;
+    if (bs == 16) {
+      rows = _mm512_loadu_si512(base + 2 * p * 16);
+    } else {
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * bs));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * bs));
+      rows = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+    }
+    _mm512_store_si512(kb + (p / 16) * 256 + (p % 16) * 16, _mm512_permutexvar_epi16(perm, rows));
+  }
+}
+
+// the tiles' configuration of the scores kernels, and the R query rows' chunks in tmm1-4 (rows past R zero)
+template <int R, int C>
+TIDAL_AMX_TARGET static inline void begin_scores(const uint16_t* qb) {
+  constexpr int64_t D = C * 16;
+  constexpr int CH = C / 2;  // chunks of 32 dims
+  static_assert(C % 2 == 0 && CH <= 4 && R <= 16, "AMX scores: D a multiple of 32 up to 128, at most 16 rows");
+  alignas(64) uint16_t qa[CH][16][32];
+  std::memset(qa, 0, sizeof(qa));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < CH; ++c) std::memcpy(qa[c][r], qb + r * D + 32 * c, 64);
+  simd::TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  simd::load_tile_config(cfg);
+  load_query_chunks<CH>(&qa[0][0][0]);
+}
+
+// one group's scores from its K tiles kb (permute_k_group's) into sums (tmm0 through the chunks)
+template <int CH>
+TIDAL_AMX_TARGET static inline void score_group(const uint32_t* kb, float (*sums)[16]) {
+  _tile_zero(0);
+  score_chunk<0>(kb);
+  if constexpr (CH > 1) score_chunk<1>(kb + 256);
+  if constexpr (CH > 2) score_chunk<2>(kb + 512);
+  if constexpr (CH > 3) score_chunk<3>(kb + 768);
+  _tile_stored(0, sums, 64);
+}
+
 template <int R, int C>
 TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, const uint16_t* k_cache,
                                              const uint16_t* v_cache, const int64_t* table, int64_t t_begin,
@@ -460,17 +506,9 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
   constexpr int CH = C / 2;  // chunks of 32 dims
   static_assert(C % 2 == 0 && CH <= 4 && R <= 16, "AMX scores: D a multiple of 32 up to 128, at most 16 rows");
   const __m512i perm = _mm512_load_si512(kInterleave);
-  alignas(64) uint16_t qa[CH][16][32];  // the query rows' chunks, rows past R zero
-  std::memset(qa, 0, sizeof(qa));
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < CH; ++c) std::memcpy(qa[c][r], qb + r * D + 32 * c, 64);
+  begin_scores<R, C>(qb);
   alignas(64) uint32_t kb[CH][16][16];  // this group's K tiles: [chunk][pair][token]
   alignas(64) float sums[16][16];
-  simd::TileConfig cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
-  load_query_chunks<CH>(&qa[0][0][0]);
   const __m512 sv = _mm512_set1_ps(scale);
   const int64_t chunk_bytes = D * bs * 2;
   constexpr int64_t ahead = 8;  // groups of 16 tokens: scores_bf16's two steps of 4
@@ -486,27 +524,29 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
                                     chunk_bytes);
       prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (blk * Hk + h) * D * bs), chunk_bytes);
     }
-    for (int64_t p = 0; p < D / 2; ++p) {
-      __m512i rows;
-      if (bs == 16) {
-        rows = _mm512_loadu_si512(base + 2 * p * 16);
-      } else {
-        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * bs));
-        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * bs));
-        rows = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
-      }
-      _mm512_store_si512(kb[p / 16][p % 16], _mm512_permutexvar_epi16(perm, rows));
-    }
-    _tile_zero(0);
-    score_chunk<0>(&kb[0][0][0]);
-    if constexpr (CH > 1) score_chunk<1>(&kb[1][0][0]);
-    if constexpr (CH > 2) score_chunk<2>(&kb[2][0][0]);
-    if constexpr (CH > 3) score_chunk<3>(&kb[3][0][0]);
-    _tile_stored(0, sums, 64);
+    permute_k_group<C>(base, bs, perm, &kb[0][0][0]);
+    score_group<CH>(&kb[0][0][0], sums);
     const int64_t n = std::min<int64_t>(16, t_end - t0);
     const __mmask16 nmask = (__mmask16)((1u << n) - 1);
     for (int r = 0; r < R; ++r)
       _mm512_mask_storeu_ps(scores + r * stride + t0, nmask, _mm512_mul_ps(_mm512_load_ps(sums[r]), sv));
+  }
+  _tile_release();
+}
+
+// scores_bf16_amx over whole groups [0, groups) whose K tiles were made beforehand (prepare_bf16_groups,
+// kperm: CH * 256 words a group), for a tile's shared part that later tiles read again: the same tiles, the
+// same products, the same bits
+template <int R, int C>
+TIDAL_AMX_TARGET static void scores_bf16_amx_prepared(const void* q, float scale, const uint32_t* kperm, int64_t groups,
+                                                      int64_t stride, float* scores) {
+  constexpr int CH = C / 2;
+  begin_scores<R, C>(static_cast<const uint16_t*>(q));
+  alignas(64) float sums[16][16];
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < groups; ++g) {
+    score_group<CH>(kperm + g * CH * 256, sums);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * stride + 16 * g, _mm512_mul_ps(_mm512_load_ps(sums[r]), sv));
   }
   _tile_release();
 }
@@ -670,18 +710,96 @@ TIDAL_AMX_TARGET static inline void acc_tile_step(const uint32_t* vb) {
   else _tile_dpbf16ps(3, 4, 6);
 }
 
+// A group's V (block: its first token's row at dim 32 u0, rows D apart; n tokens) as the weighted sum's tiles
+// for nu 32-dim units from u0: vb[2 u + {0, 1}][8 pairs][16] words, the unpacklo and unpackhi of rows 2k and
+// 2k + 1 (a last odd token pairs with zero, pairs past n are zero), the tiles of sum tiles 2 (u0 + u) + {0, 1};
+// one unit's two tiles `unit` words apart
+static inline void unpack_v_group(const uint16_t* block, int64_t D, int64_t n, int nu, int64_t unit, uint32_t* vb) {
+  const int64_t np = (n + 1) / 2;
+  for (int64_t k = 0; k < 8; ++k) {
+    for (int u = 0; u < nu; ++u) {
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      if (k < np) {
+        const uint16_t* r0p = block + 2 * k * D + u * 32;
+        const __m512i r0 = _mm512_loadu_si512(r0p);
+        const __m512i r1 = 2 * k + 1 < n ? _mm512_loadu_si512(r0p + D) : _mm512_setzero_si512();
+        lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+      }
+      _mm512_store_si512(vb + 2 * u * unit + k * 16, lo);
+      _mm512_store_si512(vb + (2 * u + 1) * unit + k * 16, hi);
+    }
+  }
+}
+
+TIDAL_AMX_TARGET static inline void configure_acc(int G) {
+  simd::TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = G;
+  cfg.colsb[4] = 32, cfg.rows[4] = G;
+  cfg.colsb[5] = cfg.colsb[6] = 64, cfg.rows[5] = cfg.rows[6] = 8;
+  simd::load_tile_config(cfg);
+}
+
+// accumulate_bf16_amx over whole groups [0, groups) whose V tiles were made beforehand (prepare_bf16_groups,
+// vperm: C tiles of 128 words a group, tile c for sum tile c), as scores_bf16_amx_prepared
+template <int G, int C>
+TIDAL_AMX_TARGET static void accumulate_bf16_amx_prepared(const void* probs, int64_t half, const uint32_t* vperm,
+                                                          int64_t groups, float* acc, bool init) {
+  static_assert(C % 2 == 0 && G <= 16, "AMX weighted sum: D a multiple of 32, at most 16 rows");
+  const uint32_t* ppairs = static_cast<const uint32_t*>(probs);
+  configure_acc(G);
+  const int64_t ldb = C * 16 * 4;
+  for (int c0 = 0; c0 < C; c0 += 4) {
+    const int nc = std::min(4, C - c0);
+    acc_tile_load<0>(acc + c0 * 16, ldb, init);
+    acc_tile_load<1>(acc + (c0 + 1) * 16, ldb, init);
+    if (nc > 2) {
+      acc_tile_load<2>(acc + (c0 + 2) * 16, ldb, init);
+      acc_tile_load<3>(acc + (c0 + 3) * 16, ldb, init);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint32_t* vb = vperm + (g * C + c0) * 128;
+      _tile_loadd(4, ppairs + g * 8, half * 4);
+      acc_tile_step<0>(vb);
+      acc_tile_step<1>(vb + 128);
+      if (nc > 2) {
+        acc_tile_step<2>(vb + 256);
+        acc_tile_step<3>(vb + 384);
+      }
+    }
+    acc_tile_store<0>(acc + c0 * 16, ldb);
+    acc_tile_store<1>(acc + (c0 + 1) * 16, ldb);
+    if (nc > 2) {
+      acc_tile_store<2>(acc + (c0 + 2) * 16, ldb);
+      acc_tile_store<3>(acc + (c0 + 3) * 16, ldb);
+    }
+  }
+  _tile_release();
+}
+
+// The K and V tiles of groups [g_begin, g_end) of head h over `table` (16 tokens each, all in the cache), for
+// the prepared kernels: kperm + g * C / 2 * 256 (permute_k_group), vperm + g * C * 128 (unpack_v_group)
+template <int C>
+static void prepare_bf16_groups(const void* k_cache, const void* v_cache, const int64_t* table, int64_t g_begin,
+                                int64_t g_end, int64_t h, int64_t Hk, int64_t bs, uint32_t* kperm, uint32_t* vperm) {
+  constexpr int64_t D = C * 16;
+  const __m512i perm = _mm512_load_si512(kInterleave);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const int64_t t0 = 16 * g, blk = table[t0 / bs], off = t0 % bs;
+    permute_k_group<C>(static_cast<const uint16_t*>(k_cache) + (blk * Hk + h) * D * bs + off, bs, perm,
+                       kperm + g * (C / 2) * 256);
+    unpack_v_group(static_cast<const uint16_t*>(v_cache) + (blk * Hk + h) * bs * D + off * D, D, 16, C / 2, 128,
+                   vperm + g * C * 128);
+  }
+}
+
 template <int G, int C>
 TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t half, const uint16_t* v_cache,
                                                  const int64_t* table, int64_t t_begin, int64_t t_end, int64_t h,
                                                  int64_t Hk, int64_t bs, float* acc, bool init) {
   constexpr int64_t D = C * 16;
   static_assert(C % 2 == 0 && G <= 16, "AMX weighted sum: D a multiple of 32, at most 16 rows");
-  simd::TileConfig cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = G;
-  cfg.colsb[4] = 32, cfg.rows[4] = G;
-  cfg.colsb[5] = cfg.colsb[6] = 64, cfg.rows[5] = cfg.rows[6] = 8;
-  _tile_loadconfig(&cfg);
+  configure_acc(G);
   const int64_t ldb = C * 16 * 4;  // acc's row stride in bytes
   const int64_t chunk_bytes = D * bs * 2;
   alignas(64) uint32_t pa[16][8];   // a last group's probabilities, zero past the range
@@ -699,19 +817,7 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t
       const uint16_t* block = v_cache + (table[t0 / bs] * Hk + h) * bs * D + (t0 % bs) * D + c0 * 16;
       if (c0 == 0 && t0 % bs == 0 && t0 + bs < t_end)
         prefetch_bytes(reinterpret_cast<const char*>(v_cache + (table[t0 / bs + 1] * Hk + h) * bs * D), chunk_bytes);
-      for (int64_t k = 0; k < 8; ++k) {
-        for (int u = 0; u < nc / 2; ++u) {
-          __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-          if (k < np) {
-            const uint16_t* r0p = block + 2 * k * D + u * 32;
-            const __m512i r0 = _mm512_loadu_si512(r0p);
-            const __m512i r1 = 2 * k + 1 < n ? _mm512_loadu_si512(r0p + D) : _mm512_setzero_si512();
-            lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
-          }
-          _mm512_store_si512(vb[2 * u][k], lo);
-          _mm512_store_si512(vb[2 * u + 1][k], hi);
-        }
-      }
+      unpack_v_group(block, D, n, nc / 2, 128, &vb[0][0][0]);
       if (n == 16) {
         _tile_loadd(4, ppairs + t0 / 2, half * 4);
       } else {
@@ -818,11 +924,30 @@ using ScoresFn = void (*)(const void* q, float scale, const void* k_cache, const
                           float* scores);
 using AccFn = void (*)(const void* probs, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
                        int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init);
+// The AMX kernels over groups prepared beforehand (scores_bf16_amx_prepared, accumulate_bf16_amx_prepared), and
+// the function that prepares them (prepare_bf16_groups)
+using PreparedScoresFn = void (*)(const void* q, float scale, const uint32_t* kperm, int64_t groups, int64_t stride,
+                                  float* scores);
+using PreparedAccFn = void (*)(const void* probs, int64_t stride, const uint32_t* vperm, int64_t groups, float* acc,
+                               bool init);
+using PrepareFn = void (*)(const void* k_cache, const void* v_cache, const int64_t* table, int64_t g_begin,
+                           int64_t g_end, int64_t h, int64_t Hk, int64_t bs, uint32_t* kperm, uint32_t* vperm);
 struct RowKernels {
   ScoresFn scores = nullptr;
   AccFn acc = nullptr;
   bool bf16 = false;
+  PreparedScoresFn prepared_scores = nullptr;  // set on the VDPBF16PS path where D <= 128 (used only on AMX)
+  PreparedAccFn prepared_acc = nullptr;
+  PrepareFn prepare = nullptr;
   explicit operator bool() const { return scores != nullptr; }
+};
+
+// Groups of 16 tokens of a tile's shared part, K and V already in the tiles' layout: kperm, vperm for groups
+// [0, groups) (prepare_bf16_groups)
+struct PreparedGroups {
+  const uint32_t* kperm;
+  const uint32_t* vperm;
+  int64_t groups;
 };
 
 template <int DT, int C, bool QEXACT>
@@ -866,14 +991,27 @@ static void acc_rows(const void* probs, int64_t stride, const void* v_cache, con
                            init);
 }
 
+template <int DT, bool QEXACT, int R, int C>
+static RowKernels row_kernels() {
+  RowKernels k{scores_rows<DT, R, C, QEXACT>, acc_rows<DT, R, C, QEXACT>, bf16_path<DT, C, QEXACT>()};
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_path<DT, C, QEXACT>() && C / 2 <= 4 && R <= 16) {
+    k.prepared_scores = scores_bf16_amx_prepared<R, C>;
+    k.prepared_acc = accumulate_bf16_amx_prepared<R, C>;
+    k.prepare = prepare_bf16_groups<C>;
+  }
+#endif
+  return k;
+}
+
 template <int DT, bool QEXACT, int R>
 static RowKernels row_kernels_for_chunks(int64_t C) {
   switch (C) {
-    case 1: return {scores_rows<DT, R, 1, QEXACT>, acc_rows<DT, R, 1, QEXACT>, bf16_path<DT, 1, QEXACT>()};
-    case 2: return {scores_rows<DT, R, 2, QEXACT>, acc_rows<DT, R, 2, QEXACT>, bf16_path<DT, 2, QEXACT>()};
-    case 4: return {scores_rows<DT, R, 4, QEXACT>, acc_rows<DT, R, 4, QEXACT>, bf16_path<DT, 4, QEXACT>()};
-    case 8: return {scores_rows<DT, R, 8, QEXACT>, acc_rows<DT, R, 8, QEXACT>, bf16_path<DT, 8, QEXACT>()};
-    case 16: return {scores_rows<DT, R, 16, QEXACT>, acc_rows<DT, R, 16, QEXACT>, bf16_path<DT, 16, QEXACT>()};
+    case 1: return row_kernels<DT, QEXACT, R, 1>();
+    case 2: return row_kernels<DT, QEXACT, R, 2>();
+    case 4: return row_kernels<DT, QEXACT, R, 4>();
+    case 8: return row_kernels<DT, QEXACT, R, 8>();
+    case 16: return row_kernels<DT, QEXACT, R, 16>();
     default: return {};
   }
 }
@@ -927,7 +1065,8 @@ template <bool BF16>
 static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf, int64_t m, int64_t G, int64_t D,
                         float scale, const void* k_cache, const void* v_cache, const int64_t* const* tables,
                         const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs, simd::avector<float>& work,
-                        float* acc, float* out, const TileSource* src = nullptr) {
+                        float* acc, float* out, const TileSource* src = nullptr,
+                        const PreparedGroups* prep = nullptr) {
   const TileSource shared = src ? *src : TileSource{k_cache, v_cache, tables[0], h, Hk};
   const int64_t R = m * G;
   int64_t stride = S, ends[8];
@@ -955,7 +1094,10 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
     q = qf;
     q_row_bytes = D * 4;
   }
-  tile.scores(q, scale, shared.k, shared.v, shared.table, 0, S, stride, shared.h, shared.Hk, bs, scores);
+  // the shared part's whole groups from their prepared tiles, if any; the rest from the cache
+  const int64_t pre = prep ? 16 * prep->groups : 0;
+  if (pre > 0) tile.prepared_scores(q, scale, prep->kperm, prep->groups, stride, scores);
+  if (S > pre) tile.scores(q, scale, shared.k, shared.v, shared.table, pre, S, stride, shared.h, shared.Hk, bs, scores);
   for (int64_t i = 0; i < m; ++i)
     if (lens[i] > S)
       one.scores(static_cast<char*>(q) + i * G * q_row_bytes, scale, k_cache, v_cache, tables[i], S, lens[i], stride,
@@ -976,7 +1118,8 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
     sums = acc;
   }
 #endif
-  tile.acc(probs, pstride, shared.v, shared.table, 0, S, shared.h, shared.Hk, bs, sums, true);
+  if (pre > 0) tile.prepared_acc(probs, pstride, prep->vperm, prep->groups, sums, true);
+  if (S > pre || pre == 0) tile.acc(probs, pstride, shared.v, shared.table, pre, S, shared.h, shared.Hk, bs, sums, pre == 0);
   for (int64_t i = 0; i < m; ++i)
     if (lens[i] > S) {
       const void* pi = BF16 ? static_cast<const void*>(static_cast<const uint32_t*>(probs) + i * G * pstride)
@@ -1342,8 +1485,15 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
   // when tiles widen their shared blocks, the tiles of several queries come first, head by head, so that the
   // next tile a thread takes is often of the same head and over the same blocks, which it keeps widened
   std::vector<int64_t> items;
+  // On AMX, a thread keeps the K and V tiles it made of a tile's shared whole groups (prepare_bf16_groups) for
+  // the next tile of the same head over the same blocks: a prompt chunk's later query tiles read all of an
+  // earlier one's tokens again, and decodes sharing a prefix read the same prefix.
+  bool prepared = false;
+#if defined(__AVX512BF16__)
+  prepared = tiled.prepare != nullptr && !tiled_wide && simd::amx_usable() && bs % 16 == 0;
+#endif
 #if defined(TIDAL_VEC)
-  if (tiled_wide) {
+  if (tiled_wide || prepared) {
     items.reserve(2 * num_tiles * Hk);
     for (int64_t h = 0; h < Hk; ++h)
       for (int64_t t = 0; t < num_tiles; ++t)
@@ -1364,6 +1514,10 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
     std::vector<float> wide_k, wide_v;
     std::vector<int64_t> wide_ids, wide_table;
     int64_t wide_h = -1;
+    // the prepared groups (prepared): their tiles, each group's cache block, and the head
+    simd::avector<uint32_t> prep_k, prep_v;
+    std::vector<int64_t> prep_blocks;
+    int64_t prep_h = -1;
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_tiles * Hk; ++item) {
@@ -1409,10 +1563,30 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
             attend_tile<false>(tiled_wide, one, qf.data(), m, G, D, scale, k_cache, v_cache, tabs, lens, S, h, Hk,
                                bs, work, acc.data(), res.data(), &wide);
           }
+        } else if (prepared && n > 1) {
+          const int64_t groups = S / 16;
+          if (prep_h != h) prep_blocks.clear();
+          prep_h = h;
+          int64_t keep = 0;  // groups already prepared (the same blocks, in order)
+          while (keep < static_cast<int64_t>(prep_blocks.size()) && keep < groups &&
+                 prep_blocks[keep] == tabs[0][16 * keep / bs])
+            ++keep;
+          prep_blocks.resize(keep);
+          if (groups > keep) {
+            if (static_cast<int64_t>(prep_k.size()) < groups * 8 * D) {  // (resized: the kept groups stay)
+              prep_k.resize(groups * 8 * D);
+              prep_v.resize(groups * 8 * D);
+            }
+            tiled.prepare(k_cache, v_cache, tabs[0], keep, groups, h, Hk, bs, prep_k.data(), prep_v.data());
+            for (int64_t g = keep; g < groups; ++g) prep_blocks.push_back(tabs[0][16 * g / bs]);
+          }
+          const PreparedGroups prep{prep_k.data(), prep_v.data(), groups};
+          attend_tile<true>(tiled, one, qf.data(), m, G, D, scale, k_cache, v_cache, tabs, lens, S, h, Hk, bs, work,
+                            acc.data(), res.data(), nullptr, &prep);
         } else {
           (one.bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale,
                                                           k_cache, v_cache, tabs, lens, S, h, Hk, bs, work,
-                                                          acc.data(), res.data(), nullptr);
+                                                          acc.data(), res.data(), nullptr, nullptr);
         }
       } else
 #endif

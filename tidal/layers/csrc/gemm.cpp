@@ -673,7 +673,7 @@ TIDAL_AMX_TARGET static void configure() {
   TileConfig c{};
   c.palette = 1;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-  _tile_loadconfig(&c);
+  simd::load_tile_config(c);
 }
 
 TIDAL_AMX_TARGET static void release() { _tile_release(); }

@@ -304,6 +304,11 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 #define TIDAL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+
+// LDTILECFG of the whole 64-byte configuration. (GCC 12's _tile_loadconfig tells the compiler it reads only
+// the first 8 bytes, so an inlined configuration's colsb and rows stores could be dropped as dead, leaving
+// every tile unconfigured: the first tile load faults.)
+inline void load_tile_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 #endif
 
 }  // namespace simd
