@@ -140,27 +140,28 @@ static void softmax_generic(float* s, int64_t L) {
 #if defined(TIDAL_VEC)
 using simd::prefetch_bytes;
 
+// Every token through simd::exp, a last partial vector masked (a scalar tail through libm's expf cost as much
+// as the vectors on rows of ~1,100 tokens); the sum is per lane (token mod W, in token order), reduced once.
 static void softmax_vec(float* s, int64_t L) {
   vf mv = simd::set1(-INFINITY);
   int64_t t = 0;
   for (; t + W <= L; t += W) mv = simd::max(mv, simd::load(s + t));
-  float m = simd::reduce_max(mv);
-  for (int64_t u = t; u < L; ++u) m = std::max(m, s[u]);
-  const vf mb = simd::set1(m);
+  if (t < L) mv = simd::max(mv, simd::load_first(s + t, L - t, -INFINITY));
+  const vf mb = simd::set1(simd::reduce_max(mv));
   vf sv = simd::zero();
-  t = 0;
-  for (; t + W <= L; t += W) {
+  for (t = 0; t + W <= L; t += W) {
     const vf e = simd::exp(simd::sub(simd::load(s + t), mb));
     simd::store(s + t, e);
     sv = simd::add(sv, e);
   }
-  float sum = simd::reduce_add(sv);
-  for (int64_t u = t; u < L; ++u) { s[u] = std::exp(s[u] - m); sum += s[u]; }
-  const float inv = 1.f / sum;
-  const vf iv = simd::set1(inv);
-  t = 0;
-  for (; t + W <= L; t += W) simd::store(s + t, simd::mul(simd::load(s + t), iv));
-  for (int64_t u = t; u < L; ++u) s[u] *= inv;
+  if (t < L) {
+    const vf e = simd::exp(simd::sub(simd::load_first(s + t, L - t, 0.f), mb));
+    simd::store_first(s + t, e, L - t);
+    sv = simd::add_first(sv, e, L - t);
+  }
+  const vf iv = simd::set1(1.f / simd::reduce_add(sv));
+  for (t = 0; t + W <= L; t += W) simd::store(s + t, simd::mul(simd::load(s + t), iv));
+  if (t < L) simd::store_first(s + t, simd::mul(simd::load_first(s + t, L - t, 0.f), iv), L - t);
 }
 
 // silu(gate) * up over rows [gate | up] of 2 * d values, matching the reference computation (each op
@@ -1265,49 +1266,33 @@ static void accumulate(const float* pt, const float* vw, int64_t D, int64_t S, f
 
 // softmax_vec on each row of scores in lanes ([S8, 8 RV], in place; row r over its first len[r] tokens,
 // the rest of [0, S) zeroed): the same operations in the same order per row, vectorised over the rows. A row's
-// first len / 8 * 8 tokens take simd::exp and are summed in 8 partial sums by token mod 8 (softmax_vec's
-// vector of sums), reduced as simd::reduce_add pairs them; the rest take std::exp and are added one by one.
+// tokens take simd::exp and are summed in 8 partial sums by token mod 8 (softmax_vec's vector of sums),
+// reduced as simd::reduce_add pairs them.
 template <int RV>
 static void softmax(float* st, int64_t S, const int64_t* len) {
   constexpr int64_t RW = 8 * RV;
   for (int rv = 0; rv < RV; ++rv) {
     const int64_t* lr = len + rv * 8;
-    alignas(32) float lf[8], ff[8];
-    for (int i = 0; i < 8; ++i) {
-      lf[i] = static_cast<float>(lr[i]);
-      ff[i] = static_cast<float>(lr[i] / 8 * 8);
-    }
-    const __m256 lv = _mm256_load_ps(lf), fv = _mm256_load_ps(ff);
+    alignas(32) float lf[8];
+    for (int i = 0; i < 8; ++i) lf[i] = static_cast<float>(lr[i]);
+    const __m256 lv = _mm256_load_ps(lf);
     float* col = st + rv * 8;
     __m256 mv = _mm256_set1_ps(-INFINITY);
     for (int64_t t = 0; t < S; ++t) {
       const __m256 in = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(t)), lv, _CMP_LT_OQ);
       mv = _mm256_max_ps(mv, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(col + t * RW), in));
     }
-    alignas(32) float m[8], tail[8][8];
-    _mm256_store_ps(m, mv);
-    for (int i = 0; i < 8; ++i)  // the tail tokens' std::exp, before the vector pass overwrites the scores
-      for (int64_t u = lr[i] / 8 * 8; u < lr[i]; ++u) tail[i][u % 8] = std::exp(col[u * RW + i] - m[i]);
     __m256 ps[8];
     for (int j = 0; j < 8; ++j) ps[j] = _mm256_setzero_ps();
     for (int64_t t = 0; t < S; ++t) {
       const __m256 e = simd::exp(_mm256_sub_ps(_mm256_loadu_ps(col + t * RW), mv));
       _mm256_storeu_ps(col + t * RW, e);
-      const __m256 full = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(t)), fv, _CMP_LT_OQ);
-      ps[t % 8] = _mm256_add_ps(ps[t % 8], _mm256_and_ps(full, e));
+      const __m256 in = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(t)), lv, _CMP_LT_OQ);
+      ps[t % 8] = _mm256_add_ps(ps[t % 8], _mm256_and_ps(in, e));
     }
     const __m256 sv = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(ps[0], ps[4]), _mm256_add_ps(ps[2], ps[6])),
                                     _mm256_add_ps(_mm256_add_ps(ps[1], ps[5]), _mm256_add_ps(ps[3], ps[7])));
-    alignas(32) float sum[8], inv[8];
-    _mm256_store_ps(sum, sv);
-    for (int i = 0; i < 8; ++i) {
-      for (int64_t u = lr[i] / 8 * 8; u < lr[i]; ++u) {
-        col[u * RW + i] = tail[i][u % 8];
-        sum[i] += tail[i][u % 8];
-      }
-      inv[i] = 1.f / sum[i];
-    }
-    const __m256 iv = _mm256_load_ps(inv);
+    const __m256 iv = _mm256_div_ps(_mm256_set1_ps(1.f), sv);
     for (int64_t t = 0; t < S; ++t) {
       const __m256 in = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(t)), lv, _CMP_LT_OQ);
       _mm256_storeu_ps(col + t * RW, _mm256_and_ps(in, _mm256_mul_ps(_mm256_loadu_ps(col + t * RW), iv)));

@@ -136,6 +136,11 @@ inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+// the first n < W lanes of a vector: loaded (the others `fill`), stored, added (the others unchanged)
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline vf load_first(const float* p, int64_t n, float fill) { return _mm512_mask_loadu_ps(set1(fill), first_lanes(n), p); }
+inline void store_first(float* p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+inline vf add_first(vf acc, vf v, int64_t n) { return _mm512_mask_add_ps(acc, first_lanes(n), acc, v); }
 inline vf load_bf16(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -198,6 +203,18 @@ inline float reduce_max(vf v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+// the first n < W lanes of a vector: loaded (the others `fill`), stored, added (the others + 0)
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf load_first(const float* p, int64_t n, float fill) {
+  const __m256i m = first_lanes(n);
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+inline void store_first(float* p, vf v, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), v); }
+inline vf add_first(vf acc, vf v, int64_t n) {
+  return _mm256_add_ps(acc, _mm256_and_ps(_mm256_castsi256_ps(first_lanes(n)), v));
 }
 inline vf load_bf16(const uint16_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
