@@ -732,6 +732,35 @@ static inline void unpack_v_group(const uint16_t* block, int64_t D, int64_t n, i
   }
 }
 
+// a pass's nc (2 or 4) sum tiles, those of acc's dims from 16 c0: loaded (or zeroed when init), stepped by the
+// probabilities in tmm4 times the V tiles at vb (128 words apart), stored
+TIDAL_AMX_TARGET static inline void acc_tiles_load(float* acc, int c0, int64_t ldb, bool init, int nc) {
+  acc_tile_load<0>(acc + c0 * 16, ldb, init);
+  acc_tile_load<1>(acc + (c0 + 1) * 16, ldb, init);
+  if (nc > 2) {
+    acc_tile_load<2>(acc + (c0 + 2) * 16, ldb, init);
+    acc_tile_load<3>(acc + (c0 + 3) * 16, ldb, init);
+  }
+}
+
+TIDAL_AMX_TARGET static inline void acc_tiles_step(const uint32_t* vb, int nc) {
+  acc_tile_step<0>(vb);
+  acc_tile_step<1>(vb + 128);
+  if (nc > 2) {
+    acc_tile_step<2>(vb + 256);
+    acc_tile_step<3>(vb + 384);
+  }
+}
+
+TIDAL_AMX_TARGET static inline void acc_tiles_store(float* acc, int c0, int64_t ldb, int nc) {
+  acc_tile_store<0>(acc + c0 * 16, ldb);
+  acc_tile_store<1>(acc + (c0 + 1) * 16, ldb);
+  if (nc > 2) {
+    acc_tile_store<2>(acc + (c0 + 2) * 16, ldb);
+    acc_tile_store<3>(acc + (c0 + 3) * 16, ldb);
+  }
+}
+
 TIDAL_AMX_TARGET static inline void configure_acc(int G) {
   simd::TileConfig cfg{};
   cfg.palette = 1;
@@ -752,28 +781,12 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx_prepared(const void* probs, int
   const int64_t ldb = C * 16 * 4;
   for (int c0 = 0; c0 < C; c0 += 4) {
     const int nc = std::min(4, C - c0);
-    acc_tile_load<0>(acc + c0 * 16, ldb, init);
-    acc_tile_load<1>(acc + (c0 + 1) * 16, ldb, init);
-    if (nc > 2) {
-      acc_tile_load<2>(acc + (c0 + 2) * 16, ldb, init);
-      acc_tile_load<3>(acc + (c0 + 3) * 16, ldb, init);
-    }
+    acc_tiles_load(acc, c0, ldb, init, nc);
     for (int64_t g = 0; g < groups; ++g) {
-      const uint32_t* vb = vperm + (g * C + c0) * 128;
       _tile_loadd(4, ppairs + g * 8, half * 4);
-      acc_tile_step<0>(vb);
-      acc_tile_step<1>(vb + 128);
-      if (nc > 2) {
-        acc_tile_step<2>(vb + 256);
-        acc_tile_step<3>(vb + 384);
-      }
+      acc_tiles_step(vperm + (g * C + c0) * 128, nc);
     }
-    acc_tile_store<0>(acc + c0 * 16, ldb);
-    acc_tile_store<1>(acc + (c0 + 1) * 16, ldb);
-    if (nc > 2) {
-      acc_tile_store<2>(acc + (c0 + 2) * 16, ldb);
-      acc_tile_store<3>(acc + (c0 + 3) * 16, ldb);
-    }
+    acc_tiles_store(acc, c0, ldb, nc);
   }
   _tile_release();
 }
@@ -807,12 +820,7 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t
   alignas(64) uint32_t vb[4][8][16];  // this pass's V tiles: [sum tile][token pair][16 dims]
   for (int c0 = 0; c0 < C; c0 += 4) {  // passes of up to 64 dims (4 sum tiles)
     const int nc = (int)std::min<int64_t>(4, C - c0);
-    acc_tile_load<0>(acc + c0 * 16, ldb, init);
-    acc_tile_load<1>(acc + (c0 + 1) * 16, ldb, init);
-    if (nc > 2) {
-      acc_tile_load<2>(acc + (c0 + 2) * 16, ldb, init);
-      acc_tile_load<3>(acc + (c0 + 3) * 16, ldb, init);
-    }
+    acc_tiles_load(acc, c0, ldb, init, nc);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, t_end - t0), np = (n + 1) / 2;
       const uint16_t* block = v_cache + (table[t0 / bs] * Hk + h) * bs * D + (t0 % bs) * D + c0 * 16;
@@ -826,19 +834,9 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t
         for (int g = 0; g < G; ++g) std::memcpy(pa[g], ppairs + g * half + t0 / 2, np * 4);
         _tile_loadd(4, pa, 32);
       }
-      acc_tile_step<0>(&vb[0][0][0]);
-      acc_tile_step<1>(&vb[1][0][0]);
-      if (nc > 2) {
-        acc_tile_step<2>(&vb[2][0][0]);
-        acc_tile_step<3>(&vb[3][0][0]);
-      }
+      acc_tiles_step(&vb[0][0][0], nc);
     }
-    acc_tile_store<0>(acc + c0 * 16, ldb);
-    acc_tile_store<1>(acc + (c0 + 1) * 16, ldb);
-    if (nc > 2) {
-      acc_tile_store<2>(acc + (c0 + 2) * 16, ldb);
-      acc_tile_store<3>(acc + (c0 + 3) * 16, ldb);
-    }
+    acc_tiles_store(acc, c0, ldb, nc);
   }
   _tile_release();
 }
