@@ -174,8 +174,7 @@ static void silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int num
     int64_t i = 0;
     for (; i + W <= d; i += W) {
       const vf gv = loadv<DT>(x, g + i), uv = loadv<DT>(x, u + i);
-      const vf e = simd::exp(simd::sub(simd::zero(), gv));
-      vf sv = simd::div(gv, simd::add(simd::set1(1.f), e));
+      vf sv = simd::silu(gv);
       if (DT == kBF16) {
         sv = simd::round_bf16(sv);
         simd::store_bf16(static_cast<uint16_t*>(out) + o + i, simd::mul(sv, uv));

@@ -794,8 +794,7 @@ static void store_block_silu(const float* c, int64_t rows, const uint16_t* bias,
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(_mm512_loadu_ps(c + r * 32), bg), 16));
     const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(_mm512_loadu_ps(c + r * 32 + 16), bu), 16));
-    const __m512 e = simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 s = simd::round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    const __m512 s = simd::round_bf16(simd::silu(g));
     const __m256i v = _mm512_cvtepi32_epi16(_mm512_srli_epi32(simd::bf16_bits(_mm512_mul_ps(s, u)), 16));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * cols + n0), v);
   }

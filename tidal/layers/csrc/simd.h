@@ -287,6 +287,10 @@ inline vf exp(vf x) {
   return scale_pow2(p, n);
 }
 
+// silu(g) = g / (1 + exp(-g)), in fp32: tidal_silu_and_mul's and the fused gate/up epilogue's (gemm.cpp), one
+// definition so that the two give the same bits
+inline vf silu(vf g) { return div(g, add(set1(1.f), exp(sub(zero(), g)))); }
+
 template <int HINT = _MM_HINT_T0>
 inline void prefetch_bytes(const char* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) _mm_prefetch(p + i, (_mm_hint)HINT);
