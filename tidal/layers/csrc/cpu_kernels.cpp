@@ -142,7 +142,9 @@ using simd::prefetch_bytes;
 
 // Every token through simd::exp, a last partial vector masked (a scalar tail through libm's expf cost as much
 // as the vectors on rows of ~1,100 tokens); the sum is per lane (token mod W, in token order), reduced once.
-static void softmax_vec(float* s, int64_t L) {
+// softmax_vec up to its last pass: exp(s - max) in place; returns the factor softmax_vec multiplies them by
+// (1 / their sum), for a caller that applies it as it reads them (bf16_pairs)
+static float softmax_exp(float* s, int64_t L) {
   vf mv = simd::set1(-INFINITY);
   int64_t t = 0;
   for (; t + W <= L; t += W) mv = simd::max(mv, simd::load(s + t));
@@ -159,8 +161,13 @@ static void softmax_vec(float* s, int64_t L) {
     simd::store_first(s + t, e, L - t);
     sv = simd::add_first(sv, e, L - t);
   }
-  const vf iv = simd::set1(1.f / simd::reduce_add(sv));
-  for (t = 0; t + W <= L; t += W) simd::store(s + t, simd::mul(simd::load(s + t), iv));
+  return 1.f / simd::reduce_add(sv);
+}
+
+static void softmax_vec(float* s, int64_t L) {
+  const vf iv = simd::set1(softmax_exp(s, L));
+  int64_t t = 0;
+  for (; t + W <= L; t += W) simd::store(s + t, simd::mul(simd::load(s + t), iv));
   if (t < L) simd::store_first(s + t, simd::mul(simd::load_first(s + t, L - t, 0.f), iv), L - t);
 }
 
@@ -651,17 +658,27 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
 // product), in token order; read as 32-bit words, element i of row r is the pair (2i, 2i + 1). Row r
 // (stride `stride` floats in, (stride + 1) / 2 words out) converts its first ends[r / G] values; an odd
 // count gets a zero partner.
+// (row r's values times factor[r] first, where factor is given: softmax_vec's last pass, the same products)
 static void bf16_pairs(const float* scores, int64_t stride, int64_t rows, int64_t G, const int64_t* ends,
-                       uint32_t* ppairs) {
+                       uint32_t* ppairs, const float* factor = nullptr) {
   const int64_t half = (stride + 1) / 2;
   for (int64_t r = 0; r < rows; ++r) {
     const float* sg = scores + r * stride;
     uint16_t* pb = reinterpret_cast<uint16_t*>(ppairs + r * half);
     const int64_t L = ends[r / G];
     int64_t t = 0;
-    for (; t + 32 <= L; t += 32)
-      _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + t + 16), _mm512_loadu_ps(sg + t)));
-    for (; t < L; ++t) pb[t] = float_to_bf16(sg[t]);
+    if (factor) {
+      const float f = factor[r];
+      const __m512 fv = _mm512_set1_ps(f);
+      for (; t + 32 <= L; t += 32)
+        _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sg + t + 16), fv),
+                                                                 _mm512_mul_ps(_mm512_loadu_ps(sg + t), fv)));
+      for (; t < L; ++t) pb[t] = float_to_bf16(sg[t] * f);
+    } else {
+      for (; t + 32 <= L; t += 32)
+        _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + t + 16), _mm512_loadu_ps(sg + t)));
+      for (; t < L; ++t) pb[t] = float_to_bf16(sg[t]);
+    }
     if (L % 2) pb[L] = 0;
   }
 }
@@ -1100,9 +1117,14 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
     if (lens[i] > S)
       one.scores(static_cast<char*>(q) + i * G * q_row_bytes, scale, k_cache, v_cache, tables[i], S, lens[i], stride,
                  h, Hk, bs, scores + i * G * stride);
+  // bf16 probabilities: softmax_vec's last pass (the factor 1 / sum) is applied as they are rounded to pairs
+  constexpr int64_t kMaxFactors = 256;
+  float factors[kMaxFactors];
+  const bool fold = BF16 && R <= kMaxFactors;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t n = lens[r / G];
-    softmax_vec(scores + r * stride, n);
+    if (fold) factors[r] = softmax_exp(scores + r * stride, n);
+    else softmax_vec(scores + r * stride, n);
     std::fill(scores + r * stride + n, scores + r * stride + ends[r / G], 0.f);
   }
   const void* probs = scores;
@@ -1110,7 +1132,7 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
   float* sums = out;
 #if defined(__AVX512BF16__)
   if constexpr (BF16) {
-    bf16_pairs(scores, stride, R, G, ends, pairs);
+    bf16_pairs(scores, stride, R, G, ends, pairs, fold ? factors : nullptr);
     probs = pairs;
     pstride = half;
     sums = acc;
