@@ -830,10 +830,15 @@ struct BlockPipe {
   TIDAL_AMX_TARGET void run(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
                             const uint32_t* b1, int64_t chunks, int rb, int nb, int64_t g, int64_t t0, int64_t M,
                             const uint16_t* bias, uint16_t* out, int64_t N) {
-    // the waiting block's rows, a few after each chunk (all of them by chunk 31 / step)
-    const int64_t step = (32 + chunks - 1) / chunks;
-    auto between = [&](int64_t ch) {
-      if (pend_g >= 0 && ch * step < pend_rows) flush_rows(ch * step, std::min(pend_rows, (ch + 1) * step), bias, out, N);
+    // the waiting block's rows, a few after each chunk (those left, if any, after the last)
+    const int64_t step = (32 + chunks - 1) / std::max<int64_t>(chunks, 1);
+    int64_t done = 0;
+    auto between = [&](int64_t) {
+      if (pend_g >= 0 && done < pend_rows) {
+        const int64_t upto = std::min(pend_rows, done + step);
+        flush_rows(done, upto, bias, out, N);
+        done = upto;
+      }
       for (int i = 0; i < ahead_lines; ++i) {
         const int r = i & 1;
         if (ahead[r] < ahead_end[r]) {
@@ -846,6 +851,7 @@ struct BlockPipe {
     else if (rb == 2) tile_block<2, 1>(a0, a1, lda, b0, b1, chunks, between);
     else if (nb == 2) tile_block<1, 2>(a0, a1, lda, b0, b1, chunks, between);
     else tile_block<1, 1>(a0, a1, lda, b0, b1, chunks, between);
+    if (pend_g >= 0 && done < pend_rows) flush_rows(done, pend_rows, bias, out, N);
     pend_g = -1;
     float* cur = c[parity];
     if (rb == 2 && nb == 2) store_tiles<2, 2>(cur);
