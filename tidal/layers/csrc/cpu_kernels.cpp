@@ -1622,20 +1622,31 @@ static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, co
   for (int64_t t = 0; t < T; ++t) {
     const float* c = cos_full + positions[t] * D;
     const float* s = sin_signed + positions[t] * D;
+#if defined(TIDAL_VEC)
+    // the token's cos and sin (rounded to the dtype) once for all its heads, where a head's half is at most
+    // kRopeVecs vectors
+    constexpr int64_t kRopeVecs = 8;
+    const bool vec = (DT == kF32 || DT == kBF16) && half % W == 0 && half / W <= kRopeVecs;
+    vf cv_lo[kRopeVecs], cv_hi[kRopeVecs], sv_lo[kRopeVecs], sv_hi[kRopeVecs];
+    if (vec)
+      for (int64_t j = 0; j < half / W; ++j) {
+        cv_lo[j] = simd::load(c + j * W), cv_hi[j] = simd::load(c + half + j * W);
+        sv_lo[j] = simd::load(s + j * W), sv_hi[j] = simd::load(s + half + j * W);
+        if constexpr (DT == kBF16) {
+          cv_lo[j] = simd::round_bf16(cv_lo[j]);
+          cv_hi[j] = simd::round_bf16(cv_hi[j]);
+          sv_lo[j] = simd::round_bf16(sv_lo[j]);
+          sv_hi[j] = simd::round_bf16(sv_hi[j]);
+        }
+      }
+#endif
     for (int64_t h = 0; h < H; ++h) {
       const int64_t src = t * x_stride + h * D, dst = (t * H + h) * D;
 #if defined(TIDAL_VEC)
-      if ((DT == kF32 || DT == kBF16) && half % W == 0) {  // the same operations, W lanes at a time
+      if (vec) {  // the same operations, W lanes at a time
         for (int64_t d = 0; d < half; d += W) {
           const vf x_lo = loadv<DT>(x, src + d), x_hi = loadv<DT>(x, src + half + d);
-          vf c_lo = simd::load(c + d), c_hi = simd::load(c + half + d);
-          vf s_lo = simd::load(s + d), s_hi = simd::load(s + half + d);
-          if constexpr (DT == kBF16) {
-            c_lo = simd::round_bf16(c_lo);
-            c_hi = simd::round_bf16(c_hi);
-            s_lo = simd::round_bf16(s_lo);
-            s_hi = simd::round_bf16(s_hi);
-          }
+          const vf c_lo = cv_lo[d / W], c_hi = cv_hi[d / W], s_lo = sv_lo[d / W], s_hi = sv_hi[d / W];
           vf a_lo = simd::mul(x_lo, c_lo), a_hi = simd::mul(x_hi, c_hi);
           if constexpr (DT == kBF16) {
             a_lo = simd::round_bf16(a_lo);
