@@ -140,10 +140,10 @@ static void softmax_generic(float* s, int64_t L) {
 #if defined(TIDAL_VEC)
 using simd::prefetch_bytes;
 
-// Every token through simd::exp, a last partial vector masked (a scalar tail through libm's expf cost as much
-// as the vectors on rows of ~1,100 tokens); the sum is per lane (token mod W, in token order), reduced once.
 // softmax_vec up to its last pass: exp(s - max) in place; returns the factor softmax_vec multiplies them by
-// (1 / their sum), for a caller that applies it as it reads them (bf16_pairs)
+// (1 / their sum), for a caller that applies it as it reads them (bf16_pairs). Every token goes through
+// simd::exp, a last partial vector masked (a scalar tail through libm's expf cost as much as the vectors on
+// rows of ~1,100 tokens); the sum is per lane (token mod W, in token order), reduced once.
 static float softmax_exp(float* s, int64_t L) {
   vf mv = simd::set1(-INFINITY);
   int64_t t = 0;
@@ -666,19 +666,13 @@ static void bf16_pairs(const float* scores, int64_t stride, int64_t rows, int64_
     const float* sg = scores + r * stride;
     uint16_t* pb = reinterpret_cast<uint16_t*>(ppairs + r * half);
     const int64_t L = ends[r / G];
+    const float f = factor ? factor[r] : 1.f;  // (x * 1 is x)
+    const __m512 fv = _mm512_set1_ps(f);
     int64_t t = 0;
-    if (factor) {
-      const float f = factor[r];
-      const __m512 fv = _mm512_set1_ps(f);
-      for (; t + 32 <= L; t += 32)
-        _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sg + t + 16), fv),
-                                                                 _mm512_mul_ps(_mm512_loadu_ps(sg + t), fv)));
-      for (; t < L; ++t) pb[t] = float_to_bf16(sg[t] * f);
-    } else {
-      for (; t + 32 <= L; t += 32)
-        _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + t + 16), _mm512_loadu_ps(sg + t)));
-      for (; t < L; ++t) pb[t] = float_to_bf16(sg[t]);
-    }
+    for (; t + 32 <= L; t += 32)
+      _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sg + t + 16), fv),
+                                                               _mm512_mul_ps(_mm512_loadu_ps(sg + t), fv)));
+    for (; t < L; ++t) pb[t] = float_to_bf16(sg[t] * f);
     if (L % 2) pb[L] = 0;
   }
 }
