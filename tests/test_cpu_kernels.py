@@ -48,9 +48,12 @@ def test_write_kv_matches_indexing(dtype):
     assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
     expected = torch.zeros_like(kv)
     ek, ev = split_kv_cache(expected)
-    ek[slots // bs, :, :, slots % bs] = k
+    ek[slots // bs, ..., slots % bs] = k.reshape(5, *ek.shape[1:-1])  # (a bf16 cache's K: pairs of dims)
     ev[slots // bs, :, slots % bs, :] = v
     assert torch.equal(kv, expected)
+    if dtype == torch.bfloat16:  # dims 2p and 2p + 1 of a token side by side in the K block's storage
+        raw = kv[0].view(nb, hk, d // 2, bs, 2)
+        assert torch.equal(raw[slots // bs, :, :, slots % bs, :], k.view(5, hk, d // 2, 2))
 
 
 def test_fp32_rows_written_into_a_bf16_cache_keep_every_nan():
@@ -69,7 +72,7 @@ def test_fp32_rows_written_into_a_bf16_cache_keep_every_nan():
     v = k.flip(-1).contiguous()
     slots = torch.tensor([1, 6])
     assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
-    got_k = k_cache[slots // bs, :, :, slots % bs]
+    got_k = k_cache[slots // bs, ..., slots % bs].reshape(2, hk, d)
     got_v = v_cache[slots // bs, :, slots % bs, :]
     for got, x in ((got_k, k), (got_v, v)):
         nan = torch.isnan(x)
@@ -471,7 +474,7 @@ def test_fp32_queries_over_a_bf16_cache(isa):
     k, v = torch.randn(40, hk, d), torch.randn(40, hk, d)
     slots = torch.randperm(nb * bs)[:40]
     assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache[slots // bs, :, :, slots % bs], k.bfloat16())
+    assert torch.equal(k_cache[slots // bs, ..., slots % bs].reshape(40, hk, d), k.bfloat16())
     assert torch.equal(v_cache[slots // bs, :, slots % bs, :], v.bfloat16())
     kv.normal_()
     tables = torch.randperm(nb)[:30].view(3, 10)

@@ -7,7 +7,11 @@ in the activations' dtype, bf16 under fp32 activations (bf16 weights on a CPU wi
 FP8 E4M3 with the layer's k_scale / v_scale (kv_cache_dtype "fp8": tidal/layers/attention/kv_cache_dtype.py).
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
 so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
-without horizontal sums.
+without horizontal sums. A bf16 cache on a CPU keeps K's dims in pairs (head_dim even): [num_blocks,
+num_kv_heads, head_dim / 2, block_size, 2], dims 2p and 2p + 1 of a token side by side, the operand
+layout of the bf16 pair products (VDPBF16PS, AMX tiles) the CPU kernels read as it is; its view
+(`split_kv_cache`) is [num_blocks, num_kv_heads, head_dim / 2, 2, block_size], indexed as the transposed
+blocks with the dim split in two.
 """
 from __future__ import annotations
 
@@ -57,9 +61,17 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
 
+def k_pairs(kv_cache: torch.Tensor) -> bool:
+    """Whether the cache's K blocks hold pairs of dims (module docstring): a bf16 CPU cache, head_dim even."""
+    return kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu" and kv_cache.shape[-1] % 2 == 0
+
+
 def split_kv_cache(kv_cache: torch.Tensor):
-    """-> K [num_blocks, Hk, D, block_size] (transposed blocks), V [num_blocks, Hk, block_size, D]."""
+    """-> K [num_blocks, Hk, D, block_size] (transposed blocks; [num_blocks, Hk, D / 2, 2, block_size] where
+    k_pairs), V [num_blocks, Hk, block_size, D]."""
     _, num_blocks, hk, block_size, d = kv_cache.shape
+    if k_pairs(kv_cache):
+        return kv_cache[0].view(num_blocks, hk, d // 2, block_size, 2).transpose(3, 4), kv_cache[1]
     return kv_cache[0].view(num_blocks, hk, d, block_size), kv_cache[1]
 
 

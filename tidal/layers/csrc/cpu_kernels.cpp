@@ -102,16 +102,51 @@ template <int DT> static void narrow(const float* src, float scale, int64_t n, v
 }
 
 // Cache layout per layer (one block = block_size tokens):
-//   K [num_blocks, Hk, D, block_size]  (transposed: the scores of 16 tokens are one vector FMA chain)
+//   K [num_blocks, Hk, D, block_size]  (transposed: the scores of 16 tokens are one vector FMA chain);
+//     a bf16 cache's (D even) in pairs of dims: [num_blocks, Hk, D / 2, block_size, 2], dims 2p and 2p + 1 of
+//     a token side by side, so that 16 tokens' pairs are the 64 bytes a VDPBF16PS (or an AMX tile row) takes
+//     as they are, and widening a pair's halves costs one shift or one mask
 //   V [num_blocks, Hk, block_size, D]
+template <int DT> static inline bool k_pairs(int64_t D) { return DT == kBF16 && D % 2 == 0; }
+// where dim d of the block's token t sits in one head's K block
+template <int DT> static inline int64_t k_offset(int64_t d, int64_t t, int64_t bs, int64_t D) {
+  return k_pairs<DT>(D) ? (d & ~int64_t{1}) * bs + 2 * t + (d & 1) : d * bs + t;
+}
+// One head's K block (from element `start`) as fp32 rows of dims, [D][bs] (a bf16 cache's pairs taken apart)
+template <int DT> static void widen_k_block(const void* k, int64_t start, int64_t D, int64_t bs, float* dst) {
+  if (!k_pairs<DT>(D)) return widen<DT>(k, start, D * bs, dst);
+  const uint16_t* src = static_cast<const uint16_t*>(k) + start;
+  for (int64_t d = 0; d < D; d += 2) {
+    const uint16_t* pairs = src + d * bs;
+    float* even = dst + d * bs;
+    float* odd = even + bs;
+    int64_t t = 0;
+#if defined(TIDAL_VEC)
+    for (; t + W <= bs; t += W) {
+      simd::store(even + t, simd::load_bf16_half<0>(pairs + 2 * t));
+      simd::store(odd + t, simd::load_bf16_half<1>(pairs + 2 * t));
+    }
+#endif
+    for (; t < bs; ++t) even[t] = simd::bf16_to_float(pairs[2 * t]), odd[t] = simd::bf16_to_float(pairs[2 * t + 1]);
+  }
+}
+
+#if defined(TIDAL_VEC)
+// dim d (of parity PAR) of W tokens as fp32, from `at` = a head's K block + k_offset(0, the first token)
+template <int DT, int PAR> static inline vf load_k(const void* k, int64_t at, int64_t d, int64_t bs) {
+  if constexpr (DT == kBF16) return simd::load_bf16_half<PAR>(static_cast<const uint16_t*>(k) + at + (d - PAR) * bs);
+  else return loadv<DT>(k, at + d * bs);
+}
+#endif
+
 template <int DT>
 static void scores_generic(const float* qf, const void* k_cache, const int64_t* table, int64_t L, int64_t h,
                            int64_t G, int64_t Hk, int64_t D, int64_t bs, float* scores) {
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t base = (table[t / bs] * Hk + h) * D * bs + t % bs;
+    const int64_t base = (table[t / bs] * Hk + h) * D * bs;
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * load1<DT>(k_cache, base + d * bs);
+      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * load1<DT>(k_cache, base + k_offset<DT>(d, t % bs, bs, D));
       scores[g * L + t] = s;
     }
   }
@@ -202,6 +237,21 @@ static void silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int num
 // G * TV independent FMA chains hide the FMA latency and each broadcast query value serves TV vectors.
 // G (query heads per KV head) and C (head_dim / W) are template parameters so the accumulators stay
 // in registers. Tokens [t_begin, t_end) (t_begin a multiple of bs); row g's scores at scores + g * stride.
+// One dim d (of parity PAR) of scores_vec's step: acc[g][v] += q[g][d] * k[v][d]
+template <int DT, int PAR, int G, int TV>
+[[gnu::always_inline]] static inline void scores_dim(const float* qf, int64_t D, const void* k_cache,
+                                                     const int64_t* base, int64_t d, int64_t bs, vf (&acc)[G][TV]) {
+  vf k[TV];
+  #pragma GCC unroll 16
+  for (int v = 0; v < TV; ++v) k[v] = load_k<DT, PAR>(k_cache, base[v], d, bs);
+  #pragma GCC unroll 16
+  for (int g = 0; g < G; ++g) {
+    const vf qv = simd::set1(qf[g * D + d]);
+    #pragma GCC unroll 16
+    for (int v = 0; v < TV; ++v) acc[g][v] = simd::fmadd(qv, k[v], acc[g][v]);
+  }
+}
+
 template <int DT, int G, int C, int TV>
 static void scores_vec(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table,
                        int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
@@ -222,7 +272,7 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
       const int64_t t0 = start + v * W;
       if (t0 >= t_end) { base[v] = base[0]; continue; }  // past the range: computed, never stored
       const int64_t blk = table[t0 / bs], off = t0 % bs;
-      base[v] = (blk * Hk + h) * D * bs + off;
+      base[v] = (blk * Hk + h) * D * bs + k_offset<DT>(0, off, bs, D);
       if (off == 0) {
         // Blocks sit at random places: hide their memory latency by asking for the K block four ahead
         // (into L2: more misses can be in flight there than in L1; measured 1.25x over one block ahead
@@ -238,16 +288,9 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
     for (int g = 0; g < G; ++g)
       #pragma GCC unroll 16
       for (int v = 0; v < TV; ++v) acc[g][v] = simd::zero();
-    for (int64_t d = 0; d < D; ++d) {
-      vf k[TV];
-      #pragma GCC unroll 16
-      for (int v = 0; v < TV; ++v) k[v] = loadv<DT>(k_cache, base[v] + d * bs);
-      #pragma GCC unroll 16
-      for (int g = 0; g < G; ++g) {
-        const vf qv = simd::set1(qf[g * D + d]);
-        #pragma GCC unroll 16
-        for (int v = 0; v < TV; ++v) acc[g][v] = simd::fmadd(qv, k[v], acc[g][v]);
-      }
+    for (int64_t d = 0; d < D; d += 2) {  // (D is even: a multiple of W)
+      scores_dim<DT, 0, G, TV>(qf, D, k_cache, base, d, bs, acc);
+      scores_dim<DT, 1, G, TV>(qf, D, k_cache, base, d + 1, bs, acc);
     }
     if (start + STEP <= t_end) {  // every index a constant: the accumulators stay in registers in the d loop
       #pragma GCC unroll 16
@@ -345,6 +388,21 @@ static void accumulate_vec(const float* p, int64_t stride, const void* v_cache, 
 // per head item). Every score, probability and sum is the chain scores_vec, softmax_vec and
 // accumulate_vec compute (tokens in order, d in order, from zero): the same bits. qf: [Hk][G][D] scaled;
 // out: [Hk][G][D] fp32 rows.
+// One dim d (of parity PAR) of decode_heads' step for head h (its K at base[v] + head)
+template <int DT, int PAR, int G, int TV>
+[[gnu::always_inline]] static inline void heads_dim(const float* qh, int64_t D, const void* k_cache, const int64_t* base,
+                                                    int64_t head, int64_t d, int64_t bs, vf (&acc)[G][TV]) {
+  vf qv[G];
+  #pragma GCC unroll 16
+  for (int g = 0; g < G; ++g) qv[g] = simd::set1(qh[g * D + d]);
+  #pragma GCC unroll 16
+  for (int v = 0; v < TV; ++v) {
+    const vf k = load_k<DT, PAR>(k_cache, base[v] + head, d, bs);
+    #pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) acc[g][v] = simd::fmadd(qv[g], k, acc[g][v]);
+  }
+}
+
 template <int DT, int G, int C>
 static void decode_heads(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
                          int64_t Hk, int64_t bs, simd::avector<float>& work, float* out) {
@@ -361,7 +419,7 @@ static void decode_heads(const float* qf, const void* k_cache, const void* v_cac
     #pragma GCC unroll 16
     for (int v = 0; v < TV; ++v) {
       const int64_t t0 = start + v * W;
-      base[v] = t0 < L ? table[t0 / bs] * Hk * chunk + t0 % bs : base[0];  // past L: computed, never read
+      base[v] = t0 < L ? table[t0 / bs] * Hk * chunk + k_offset<DT>(0, t0 % bs, bs, D) : base[0];  // past L: never read
     }
     for (int64_t h = 0; h < Hk; ++h) {
       const float* qh = qf + h * G * D;
@@ -370,16 +428,9 @@ static void decode_heads(const float* qf, const void* k_cache, const void* v_cac
       for (int g = 0; g < G; ++g)
         #pragma GCC unroll 16
         for (int v = 0; v < TV; ++v) acc[g][v] = simd::zero();
-      for (int64_t d = 0; d < D; ++d) {
-        vf qv[G];
-        #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) qv[g] = simd::set1(qh[g * D + d]);
-        #pragma GCC unroll 16
-        for (int v = 0; v < TV; ++v) {
-          const vf k = loadv<DT>(k_cache, base[v] + h * chunk + d * bs);
-          #pragma GCC unroll 16
-          for (int g = 0; g < G; ++g) acc[g][v] = simd::fmadd(qv[g], k, acc[g][v]);
-        }
+      for (int64_t d = 0; d < D; d += 2) {
+        heads_dim<DT, 0, G, TV>(qh, D, k_cache, base, h * chunk, d, bs, acc);
+        heads_dim<DT, 1, G, TV>(qh, D, k_cache, base, h * chunk, d + 1, bs, acc);
       }
       #pragma GCC unroll 16
       for (int g = 0; g < G; ++g)
@@ -427,14 +478,9 @@ static HeadsFn heads_kernel_for(int64_t G, int64_t D, int64_t bs) {
 }
 
 #if defined(__AVX512BF16__)
-// Both scores kernels' permute of K rows 2p and 2p + 1 (16 tokens each, one 512-bit load) into per-token
-// pairs: output lane 2i <- element i (row 2p, token i); lane 2i + 1 <- element 16 + i (row 2p + 1, token i)
-alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
 // The scores of scores_bf16 (below) on AMX tiles, where simd::amx_usable(): for each group of 16 tokens, the
-// K rows of dims 2p and 2p + 1 interleaved into (dim 2p, dim 2p + 1) pairs per token (the same permute) make
-// a weight tile of 16 pairs x 16 tokens per 32 dims, and TDPBF16PS multiplies the R query rows (a tile of
+// cache's (dim 2p, dim 2p + 1) pairs of those tokens for 32 dims are a weight tile of 16 pairs x 16 tokens,
+// loaded as it is (rows 2 bs words apart), and TDPBF16PS multiplies the R query rows (a tile of
 // 16 rows, those past R zero) by it: each score one sum over the head's dims in chunks of 32, from zero in
 // dim order, whatever R is and whichever tokens share its group, so a row's scores are the same alone (a
 // decode's G rows) or in a tile of 12 (a prompt chunk, decodes sharing a prefix). Tiles: tmm0 the sums,
@@ -448,32 +494,21 @@ TIDAL_AMX_TARGET static inline void load_query_chunks(const uint16_t* qa) {
 }
 
 template <int CHI>
-TIDAL_AMX_TARGET static inline void score_chunk(const uint32_t* kb) {
+TIDAL_AMX_TARGET static inline void score_chunk(const uint16_t* kb, int64_t ld) {
   // (the tile numbers are written out: the intrinsics paste them into the instruction)
-  if constexpr (CHI % 2 == 0) _tile_loadd(5, kb, 64);
-  else _tile_loadd(6, kb, 64);
+  if constexpr (CHI % 2 == 0) _tile_loadd(5, kb, ld);
+  else _tile_loadd(6, kb, ld);
   if constexpr (CHI == 0) _tile_dpbf16ps(0, 1, 5);
   else if constexpr (CHI == 1) _tile_dpbf16ps(0, 2, 6);
   else if constexpr (CHI == 2) _tile_dpbf16ps(0, 3, 5);
   else _tile_dpbf16ps(0, 4, 6);
 }
 
-// A group of 16 tokens' K (base: dim 0 of its first token, rows bs apart) as the scores' tiles: kb[CH][16
-// pairs][16 tokens] words, (dim 2p, dim 2p + 1) per token; tokens past the block's end hold whatever follows
-// (their scores are never stored)
+// A group of 16 tokens' K (base: the pair of dims 0, 1 of its first token, pairs 2 bs words apart) copied as
+// the scores' tiles of a 16-token block: kb[CH][16 pairs][16 tokens] words
 template <int C>
-static inline void permute_k_group(const uint16_t* base, int64_t bs, const __m512i perm, uint32_t* kb) {
-  for (int64_t p = 0; p < C * 8; ++p) {
-    __m512i rows;
-    if (bs == 16) {
-      rows = _mm512_loadu_si512(base + 2 * p * 16);
-    } else {
-      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 2 * p * bs));
-      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (2 * p + 1) * bs));
-      rows = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
-    }
-    _mm512_store_si512(kb + (p / 16) * 256 + (p % 16) * 16, _mm512_permutexvar_epi16(perm, rows));
-  }
+static inline void copy_k_group(const uint16_t* base, int64_t bs, uint32_t* kb) {
+  for (int64_t p = 0; p < C * 8; ++p) std::memcpy(kb + (p / 16) * 256 + (p % 16) * 16, base + 2 * p * bs, 64);
 }
 
 // the tiles' configuration of the scores kernels, and the R query rows' chunks in tmm1-4 (rows past R zero)
@@ -493,14 +528,16 @@ TIDAL_AMX_TARGET static inline void begin_scores(const uint16_t* qb) {
   load_query_chunks<CH>(&qa[0][0][0]);
 }
 
-// one group's scores from its K tiles kb (permute_k_group's) into sums (tmm0 through the chunks)
+// one group's scores from its K pairs (kb: those of dims 0, 1 of its first token, in blocks of bs tokens)
+// into sums (tmm0 through the chunks of 32 dims, 32 bs words apart)
 template <int CH>
-TIDAL_AMX_TARGET static inline void score_group(const uint32_t* kb, float (*sums)[16]) {
+TIDAL_AMX_TARGET static inline void score_group(const uint16_t* kb, int64_t bs, float (*sums)[16]) {
+  const int64_t ld = 4 * bs, chunk = 32 * bs;
   _tile_zero(0);
-  score_chunk<0>(kb);
-  if constexpr (CH > 1) score_chunk<1>(kb + 256);
-  if constexpr (CH > 2) score_chunk<2>(kb + 512);
-  if constexpr (CH > 3) score_chunk<3>(kb + 768);
+  score_chunk<0>(kb, ld);
+  if constexpr (CH > 1) score_chunk<1>(kb + chunk, ld);
+  if constexpr (CH > 2) score_chunk<2>(kb + 2 * chunk, ld);
+  if constexpr (CH > 3) score_chunk<3>(kb + 3 * chunk, ld);
   _tile_stored(0, sums, 64);
 }
 
@@ -512,9 +549,7 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
   constexpr int64_t D = C * 16;
   constexpr int CH = C / 2;  // chunks of 32 dims
   static_assert(C % 2 == 0 && CH <= 4 && R <= 16, "AMX scores: D a multiple of 32 up to 128, at most 16 rows");
-  const __m512i perm = _mm512_load_si512(kInterleave);
   begin_scores<R, C>(qb);
-  alignas(64) uint32_t kb[CH][16][16];  // this group's K tiles: [chunk][pair][token]
   alignas(64) float sums[16][16];
   const __m512 sv = _mm512_set1_ps(scale);
   const int64_t chunk_bytes = D * bs * 2;
@@ -523,7 +558,7 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
     prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs] * Hk + h) * D * bs), chunk_bytes);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
     const int64_t blk = table[t0 / bs], off = t0 % bs;
-    const uint16_t* base = k_cache + (blk * Hk + h) * D * bs + off;
+    const uint16_t* base = k_cache + (blk * Hk + h) * D * bs + 2 * off;
     if (off == 0) {
       const int64_t next = t0 + ahead * 16;
       if (next < t_end && next % bs < 16)
@@ -531,8 +566,7 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
                                     chunk_bytes);
       prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (blk * Hk + h) * D * bs), chunk_bytes);
     }
-    permute_k_group<C>(base, bs, perm, &kb[0][0][0]);
-    score_group<CH>(&kb[0][0][0], sums);
+    score_group<CH>(base, bs, sums);
     const int64_t n = std::min<int64_t>(16, t_end - t0);
     const __mmask16 nmask = (__mmask16)((1u << n) - 1);
     for (int r = 0; r < R; ++r)
@@ -552,7 +586,7 @@ TIDAL_AMX_TARGET static void scores_bf16_amx_prepared(const void* q, float scale
   alignas(64) float sums[16][16];
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < groups; ++g) {
-    score_group<CH>(kperm + g * CH * 256, sums);
+    score_group<CH>(reinterpret_cast<const uint16_t*>(kperm + g * CH * 256), 16, sums);
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * stride + 16 * g, _mm512_mul_ps(_mm512_load_ps(sums[r]), sv));
   }
   _tile_release();
@@ -562,8 +596,8 @@ TIDAL_AMX_TARGET static void scores_bf16_amx_prepared(const void* q, float scale
 #if defined(__AVX512BF16__)
 // bf16 cache: the dot products run on VDPBF16PS (pairs of bf16 products accumulated in fp32, twice
 // the work of an fp32 FMA per instruction). Scores: q . k with q, k in bf16 (exact products), then
-// scaled. K rows of dims 2p and 2p+1 (16 tokens each) are interleaved into (dim 2p, dim 2p+1) pairs per
-// token with one permute. Tokens and rows as in scores_vec.
+// scaled. The cache's (dim 2p, dim 2p + 1) pairs of 16 tokens are one 512-bit load. Tokens and rows as in
+// scores_vec.
 template <int G, int C>
 static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache, const uint16_t* v_cache,
                         const int64_t* table, int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk,
@@ -580,7 +614,6 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
   // per KV head); each score is still one chain over the dim pairs in order, whatever TV is.
   constexpr int TV = std::max(1, std::min(4, 16 / G));
   constexpr int64_t STEP = TV * 16;
-  const __m512i perm = _mm512_load_si512(kInterleave);
   uint32_t qpair[G][D / 2];
   for (int g = 0; g < G; ++g) std::memcpy(qpair[g], qb + g * D, D * 2);
   const __m512 sv = _mm512_set1_ps(scale);
@@ -598,7 +631,7 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
       const int64_t t0 = start + v * 16;
       if (t0 >= t_end) { base[v] = base[0]; continue; }  // past the range: computed, never stored
       const int64_t blk = table[t0 / bs], off = t0 % bs;
-      base[v] = k_cache + (blk * Hk + h) * D * bs + off;
+      base[v] = k_cache + (blk * Hk + h) * D * bs + 2 * off;
       if (off == 0) {
         if (t0 + ahead * bs < t_end)
           prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(k_cache + (table[t0 / bs + ahead] * Hk + h) * D * bs),
@@ -617,17 +650,7 @@ static void scores_bf16(const uint16_t* qb, float scale, const uint16_t* k_cache
     for (int64_t p = 0; p < D / 2; ++p) {
       __m512i kp[TV];
       #pragma GCC unroll 16
-      for (int v = 0; v < TV; ++v) {
-        __m512i rows;
-        if (bs == 16) {  // rows 2p and 2p + 1 of 16 tokens each: one contiguous load
-          rows = _mm512_loadu_si512(base[v] + 2 * p * 16);
-        } else {
-          const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[v] + 2 * p * bs));
-          const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[v] + (2 * p + 1) * bs));
-          rows = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
-        }
-        kp[v] = _mm512_permutexvar_epi16(perm, rows);
-      }
+      for (int v = 0; v < TV; ++v) kp[v] = _mm512_loadu_si512(base[v] + 2 * p * bs);
       #pragma GCC unroll 16
       for (int g = 0; g < G; ++g) {
         const __m512i qv = _mm512_set1_epi32(static_cast<int>(qpair[g][p]));
@@ -802,16 +825,15 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx_prepared(const void* probs, int
 }
 
 // The K and V tiles of groups [g_begin, g_end) of head h over `table` (16 tokens each, all in the cache), for
-// the prepared kernels: kperm + g * C / 2 * 256 (permute_k_group), vperm + g * C * 128 (unpack_v_group)
+// the prepared kernels: kperm + g * C / 2 * 256 (copy_k_group), vperm + g * C * 128 (unpack_v_group)
 template <int C>
 static void prepare_bf16_groups(const void* k_cache, const void* v_cache, const int64_t* table, int64_t g_begin,
                                 int64_t g_end, int64_t h, int64_t Hk, int64_t bs, uint32_t* kperm, uint32_t* vperm) {
   constexpr int64_t D = C * 16;
-  const __m512i perm = _mm512_load_si512(kInterleave);
   for (int64_t g = g_begin; g < g_end; ++g) {
     const int64_t t0 = 16 * g, blk = table[t0 / bs], off = t0 % bs;
-    permute_k_group<C>(static_cast<const uint16_t*>(k_cache) + (blk * Hk + h) * D * bs + off, bs, perm,
-                       kperm + g * (C / 2) * 256);
+    copy_k_group<C>(static_cast<const uint16_t*>(k_cache) + (blk * Hk + h) * D * bs + 2 * off, bs,
+                    kperm + g * (C / 2) * 256);
     unpack_v_group(static_cast<const uint16_t*>(v_cache) + (blk * Hk + h) * bs * D + off * D, D, 16, C / 2, 128,
                    vperm + g * C * 128);
   }
@@ -1543,7 +1565,7 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
           for (int64_t j = 0; j < blocks; ++j) {  // blocks already widened (the same ids, in order) are kept
             const int64_t id = tabs[0][j];
             if (j < static_cast<int64_t>(wide_ids.size()) && wide_ids[j] == id) continue;
-            widen<KDT>(k_cache, (id * Hk + h) * chunk, chunk, wide_k.data() + j * chunk);
+            widen_k_block<KDT>(k_cache, (id * Hk + h) * chunk, D, bs, wide_k.data() + j * chunk);
             widen<KDT>(v_cache, (id * Hk + h) * chunk, chunk, wide_v.data() + j * chunk);
             if (j < static_cast<int64_t>(wide_ids.size())) wide_ids[j] = id;
             else wide_ids.push_back(id);
@@ -1673,7 +1695,8 @@ static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, co
 
 // Writes this step's K/V rows into the paged cache: k, v [T, Hk, D] with row strides k_stride,
 // v_stride (elements); token t goes to slot slots[t] = block * bs + offset of
-// k_cache [num_blocks, Hk, D, bs] (K blocks transposed) and v_cache [num_blocks, Hk, bs, D].
+// k_cache [num_blocks, Hk, D, bs] (K blocks transposed; pairs of dims [num_blocks, Hk, D / 2, bs, 2] where
+// k_pairs: a bf16 cache) and v_cache [num_blocks, Hk, bs, D].
 template <typename S, typename E>
 static inline E convert(S x) {
   if constexpr (std::is_same<S, E>::value) return x;
@@ -1743,7 +1766,8 @@ static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_
 
 template <typename S, typename E>
 static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
-                     void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs, int num_threads) {
+                     void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs, bool k_pairs,
+                     int num_threads) {
   const S* ks = static_cast<const S*>(k);
   const S* vs = static_cast<const S*>(v);
   E* kc = static_cast<E*>(k_cache);
@@ -1755,9 +1779,17 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
     for (int64_t h = 0; h < Hk; ++h) {
       const S* kr = ks + t * k_stride + h * D;
       const S* vr = vs + t * v_stride + h * D;
-      E* kdst = kc + (block * Hk + h) * D * bs + off;
       E* vdst = vc + ((block * Hk + h) * bs + off) * D;
-      for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
+      if (k_pairs) {
+        E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
+        for (int64_t d = 0; d < D; d += 2) {
+          kdst[d * bs] = convert<S, E>(kr[d]);
+          kdst[d * bs + 1] = convert<S, E>(kr[d + 1]);
+        }
+      } else {
+        E* kdst = kc + (block * Hk + h) * D * bs + off;
+        for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
+      }
       if constexpr (std::is_same<S, E>::value) std::memcpy(vdst, vr, D * sizeof(E));
       else for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
     }
@@ -1926,12 +1958,14 @@ void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_st
     else if (dtype == kBF16) TIDAL_WRITE_E4M3(kBF16);
     else TIDAL_WRITE_E4M3(kF16);
   } else if (dtype == kF32 && kv_dtype == kBF16)
-    write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size, num_threads);
+    write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size,
+                              k_pairs<kBF16>(D), num_threads);
   else if (dtype == kF32)
-    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size, num_threads);
+    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size, false,
+                           num_threads);
   else  // any 2-byte type into the same type
     write_kv<uint16_t, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size,
-                                   num_threads);
+                                 kv_dtype == kBF16 && k_pairs<kBF16>(D), num_threads);
 #undef TIDAL_WRITE_E4M3
 }
 
@@ -1944,8 +1978,8 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 }
 
 // q [B, Hq, D], query b's heads at q + b * q_stride (elements; Hq * D when contiguous, more when the queries
-// are read in place from rows of [q | k] or [q | k | v]); k_cache [num_blocks, Hk, D, block_size]; v_cache
-// [num_blocks, Hk, block_size, D]; block_tables [rows, max_blocks]; table_index [B] (query b reads row
+// are read in place from rows of [q | k] or [q | k | v]); k_cache [num_blocks, Hk, D, block_size] (in pairs of
+// dims where k_pairs, as write_kv); v_cache [num_blocks, Hk, block_size, D]; block_tables [rows, max_blocks]; table_index [B] (query b reads row
 // table_index[b]; null: row b); seq_lens [B] (including the new token); out [B, Hq, D]. All but q
 // contiguous. dtype (q and out), kv_dtype (the cache): 0 f32, 1 bf16, 2 f16, 3 E4M3; equal, fp32 queries
 // over a bf16 cache, or any queries over an E4M3 cache whose values are k_scale / v_scale times the stored

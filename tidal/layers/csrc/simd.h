@@ -145,6 +145,12 @@ inline vf load_bf16(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+// W bf16 pairs (32-bit words) as fp32: their first (low) or second (high) halves
+template <int HALF> inline vf load_bf16_half(const uint16_t* p) {
+  const __m512i w = _mm512_loadu_si512(p);
+  if constexpr (HALF == 0) return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  else return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 inline vf load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512i bf16_bits(vf v) {  // round to nearest even, the bf16 in the high half of each lane
   const __m512i u = _mm512_castps_si512(v);
@@ -219,6 +225,11 @@ inline vf add_first(vf acc, vf v, int64_t n) {
 inline vf load_bf16(const uint16_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+template <int HALF> inline vf load_bf16_half(const uint16_t* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if constexpr (HALF == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  else return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 inline vf load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i bf16_bits(vf v) {
