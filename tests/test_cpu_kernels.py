@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tidal.layers import cpu_kernels
+from tidal.layers.attention.kv_cache_dtype import read_blocks, write_slots
 from tidal.layers.attention.layer import decode_attention, kv_cache_shape, split_kv_cache
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.native import isa_override, runnable_isas
@@ -47,13 +48,13 @@ def test_write_kv_matches_indexing(dtype):
     slots = torch.tensor([0, 3, 9, 22, 13])
     assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
     expected = torch.zeros_like(kv)
-    ek, ev = split_kv_cache(expected)
-    ek[slots // bs, ..., slots % bs] = k.reshape(5, *ek.shape[1:-1])  # (a bf16 cache's K: pairs of dims)
-    ev[slots // bs, :, slots % bs, :] = v
+    write_slots(*split_kv_cache(expected), k, v, slots, 1.0, 1.0)  # the torch path
     assert torch.equal(kv, expected)
-    if dtype == torch.bfloat16:  # dims 2p and 2p + 1 of a token side by side in the K block's storage
-        raw = kv[0].view(nb, hk, d // 2, bs, 2)
-        assert torch.equal(raw[slots // bs, :, :, slots % bs, :], k.view(5, hk, d // 2, 2))
+    if dtype == torch.bfloat16:  # the storage: a token's dims 2p and 2p + 1 side by side in K, tokens 2k and
+        raw_k = kv[0].view(nb, hk, d // 2, bs, 2)  # 2k + 1 of a dim side by side in V
+        assert torch.equal(raw_k[slots // bs, :, :, slots % bs, :], k.view(5, hk, d // 2, 2))
+        raw_v = kv[1].view(nb, hk, bs // 2, d, 2)
+        assert torch.equal(raw_v[slots // bs, :, (slots % bs) // 2, :, (slots % bs) % 2], v)
 
 
 def test_fp32_rows_written_into_a_bf16_cache_keep_every_nan():
@@ -72,8 +73,8 @@ def test_fp32_rows_written_into_a_bf16_cache_keep_every_nan():
     v = k.flip(-1).contiguous()
     slots = torch.tensor([1, 6])
     assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
-    got_k = k_cache[slots // bs, ..., slots % bs].reshape(2, hk, d)
-    got_v = v_cache[slots // bs, :, slots % bs, :]
+    got_k = read_blocks(k_cache, slots // bs, torch.bfloat16, 1.0)[torch.arange(2), :, :, slots % bs]
+    got_v = read_blocks(v_cache, slots // bs, torch.bfloat16, 1.0)[torch.arange(2), :, slots % bs]
     for got, x in ((got_k, k), (got_v, v)):
         nan = torch.isnan(x)
         assert int(nan.sum()) == 2 * len(payloads)
@@ -464,6 +465,41 @@ def test_silu_and_mul_matches_torch(isa, dtype):
         torch.testing.assert_close(native, reference, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_garbage_past_a_length_never_reaches_the_output(isa, q_dtype):
+    """A bf16 cache keeps V's tokens in pairs: a sequence of odd length ends on a pair whose partner slot may
+    hold anything (an earlier request's rows, NaN, inf), as may the rest of its last block. None of it may
+    reach the output: NaN everywhere past the lengths gives the same bits as zeros there."""
+    torch.manual_seed(0)
+    nb, hk, hq, bs, d = 12, 1, 3, 16, 64
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=torch.bfloat16)
+    k_cache, v_cache = split_kv_cache(kv)
+    tables = torch.randperm(nb).view(3, 4)  # no block shared
+    lens = torch.tensor([17, 33, 5])
+    for r in range(3):
+        slots = tables[r, torch.arange(int(lens[r])) // bs] * bs + torch.arange(int(lens[r])) % bs
+        write_slots(k_cache, v_cache, torch.randn(len(slots), hk, d), torch.randn(len(slots), hk, d), slots, 1.0, 1.0)
+    q = torch.randn(3, hq, d).to(q_dtype)
+    chunk_lens = torch.arange(7, 18)  # a prompt chunk's 11 tokens over table 0 (length 17)
+    chunk_q = torch.randn(11, hq, d).to(q_dtype)
+    chunk_index = torch.zeros(11, dtype=torch.long)
+
+    def attend():
+        return (cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, None),
+                cpu_kernels.paged_attention_decode(chunk_q, k_cache, v_cache, tables, chunk_lens, d ** -0.5,
+                                                   chunk_index))
+
+    clean = attend()
+    for r in range(3):  # NaN in every slot of the request's blocks past its length
+        rest = torch.arange(int(lens[r]), 4 * bs)
+        slots = tables[r, rest // bs] * bs + rest % bs
+        nan = torch.full((len(slots), hk, d), float("nan"))
+        write_slots(k_cache, v_cache, nan, nan, slots, 1.0, 1.0)
+    for want, got in zip(clean, attend()):
+        assert torch.isfinite(want).all()
+        assert torch.equal(got, want)
+
+
 def test_fp32_queries_over_a_bf16_cache(isa):
     """Activations in fp32 with a bf16 KV cache: rows are rounded as they are written and widened
     as they are read."""
@@ -474,8 +510,10 @@ def test_fp32_queries_over_a_bf16_cache(isa):
     k, v = torch.randn(40, hk, d), torch.randn(40, hk, d)
     slots = torch.randperm(nb * bs)[:40]
     assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache[slots // bs, ..., slots % bs].reshape(40, hk, d), k.bfloat16())
-    assert torch.equal(v_cache[slots // bs, :, slots % bs, :], v.bfloat16())
+    assert torch.equal(read_blocks(k_cache, slots // bs, torch.bfloat16, 1.0)[torch.arange(40), :, :, slots % bs],
+                       k.bfloat16())
+    assert torch.equal(read_blocks(v_cache, slots // bs, torch.bfloat16, 1.0)[torch.arange(40), :, slots % bs],
+                       v.bfloat16())
     kv.normal_()
     tables = torch.randperm(nb)[:30].view(3, 10)
     seq_lens = torch.tensor([5, 160, 77])

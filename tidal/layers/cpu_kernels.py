@@ -111,7 +111,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lib.tidal_paged_attention_decode(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         None if index is None else index.data_ptr(), seq_lens.data_ptr(),
-        out.data_ptr(), B, Hq, v_cache.shape[1], D, v_cache.shape[2], block_tables.shape[1], scale,
+        out.data_ptr(), B, Hq, v_cache.shape[1], D, k_cache.shape[-1], block_tables.shape[1], scale,
         _DTYPES[q.dtype], _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale, torch.get_num_threads())
     return out
 
@@ -153,7 +153,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     T, Hk, D = k.shape
     slot_mapping = slot_mapping.contiguous()  # held: a temporary copy would be freed before the call runs
     lib.tidal_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(),
-                       k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, v_cache.shape[2], _DTYPES[k.dtype],
+                       k_cache.data_ptr(), v_cache.data_ptr(), T, Hk, D, k_cache.shape[-1], _DTYPES[k.dtype],
                        _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale,
                        None if k_shift is None else k_shift.data_ptr(), torch.get_num_threads())
     return True

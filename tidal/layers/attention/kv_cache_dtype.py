@@ -65,8 +65,8 @@ def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def read_blocks(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """cache[index] in dtype; an FP8 cache's values times its scale. K blocks in pairs of dims (a 5-D view,
-    layer.split_kv_cache) come back as transposed blocks [..., Hk, D, block_size]."""
+    """cache[index] in dtype; an FP8 cache's values times its scale. Blocks in pairs (a 5-D view,
+    layer.split_kv_cache) come back as 4-D ones: K [..., Hk, D, block_size], V [..., Hk, block_size, D]."""
     if cache.dim() == 5:
         return cache[index].flatten(-3, -2).to(dtype)
     if cache.dtype != FP8:
@@ -79,9 +79,9 @@ def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v
                 slot_mapping: torch.Tensor, k_scale: float, v_scale: float,
                 k_shift: torch.Tensor | None = None) -> None:
     """k/v [T, Hk, D] into their slots of k_cache [nb, Hk, D, bs] (blocks transposed, or [nb, Hk, D / 2, 2,
-    bs]: pairs of dims) and v_cache [nb, Hk, bs, D]; quantized first for an FP8 cache (K less k_shift
-    [Hk * D] first, where given)."""
-    block_size = v_cache.shape[2]
+    bs]: pairs of dims) and v_cache [nb, Hk, bs, D] (or [nb, Hk, bs / 2, 2, D]: pairs of tokens);
+    quantized first for an FP8 cache (K less k_shift [Hk * D] first, where given)."""
+    block_size = k_cache.shape[-1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     if k_cache.dtype == FP8:
         if k_shift is not None:
@@ -90,7 +90,10 @@ def write_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v
     else:
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     storage(k_cache)[blocks, ..., offsets] = k.reshape(k.shape[0], *k_cache.shape[1:-1])
-    storage(v_cache)[blocks, :, offsets, :] = v
+    if v_cache.dim() == 5:
+        v_cache[blocks, :, offsets // 2, offsets % 2] = v
+    else:
+        storage(v_cache)[blocks, :, offsets, :] = v
 
 
 # -- per-layer scales from the checkpoint ---------------------------------------------------------------

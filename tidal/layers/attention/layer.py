@@ -8,10 +8,12 @@ FP8 E4M3 with the layer's k_scale / v_scale (kv_cache_dtype "fp8": tidal/layers/
 V blocks use it as is; K blocks are stored transposed, [num_blocks, num_kv_heads, head_dim, block_size],
 so that the decode kernel computes the scores of a block's tokens as one vector multiply-add chain
 without horizontal sums. A bf16 cache on a CPU keeps K's dims in pairs (head_dim even): [num_blocks,
-num_kv_heads, head_dim / 2, block_size, 2], dims 2p and 2p + 1 of a token side by side, the operand
-layout of the bf16 pair products (VDPBF16PS, AMX tiles) the CPU kernels read as it is; its view
-(`split_kv_cache`) is [num_blocks, num_kv_heads, head_dim / 2, 2, block_size], indexed as the transposed
-blocks with the dim split in two.
+num_kv_heads, head_dim / 2, block_size, 2], dims 2p and 2p + 1 of a token side by side, and V's tokens in
+pairs (block_size even): [num_blocks, num_kv_heads, block_size / 2, head_dim, 2], tokens 2k and 2k + 1 of
+a dim side by side. Those are the operand layouts of the bf16 pair products (VDPBF16PS, AMX tiles), which
+the CPU kernels then read as they are. Their views (`split_kv_cache`) are 5-D: K [num_blocks,
+num_kv_heads, head_dim / 2, 2, block_size] and V [num_blocks, num_kv_heads, block_size / 2, 2, head_dim],
+indexed as the 4-D blocks with the paired dim split in two (`read_blocks` and `write_slots` take both).
 """
 from __future__ import annotations
 
@@ -61,18 +63,25 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
 
-def k_pairs(kv_cache: torch.Tensor) -> bool:
-    """Whether the cache's K blocks hold pairs of dims (module docstring): a bf16 CPU cache, head_dim even."""
-    return kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu" and kv_cache.shape[-1] % 2 == 0
+def _pairs(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
 
 
 def split_kv_cache(kv_cache: torch.Tensor):
-    """-> K [num_blocks, Hk, D, block_size] (transposed blocks; [num_blocks, Hk, D / 2, 2, block_size] where
-    k_pairs), V [num_blocks, Hk, block_size, D]."""
+    """-> K [num_blocks, Hk, D, block_size] (transposed blocks), V [num_blocks, Hk, block_size, D]; a bf16 CPU
+    cache's K [num_blocks, Hk, D / 2, 2, block_size] where D is even and V [num_blocks, Hk, block_size / 2, 2,
+    D] where block_size is even (pairs: module docstring)."""
     _, num_blocks, hk, block_size, d = kv_cache.shape
-    if k_pairs(kv_cache):
-        return kv_cache[0].view(num_blocks, hk, d // 2, block_size, 2).transpose(3, 4), kv_cache[1]
-    return kv_cache[0].view(num_blocks, hk, d, block_size), kv_cache[1]
+    pairs = _pairs(kv_cache)
+    if pairs and d % 2 == 0:
+        k = kv_cache[0].view(num_blocks, hk, d // 2, block_size, 2).transpose(3, 4)
+    else:
+        k = kv_cache[0].view(num_blocks, hk, d, block_size)
+    if pairs and block_size % 2 == 0:
+        v = kv_cache[1].view(num_blocks, hk, block_size // 2, d, 2).transpose(3, 4)
+    else:
+        v = kv_cache[1]
+    return k, v
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -87,7 +96,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(k_cache, v_cache, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype,
               k_scale: float = 1.0, v_scale: float = 1.0):
     """A request's first seq_len K/V rows in dtype, [Hk, seq_len, D] each (an FP8 cache's dequantized)."""
-    hk, d = v_cache.shape[1], v_cache.shape[3]
+    hk, d = v_cache.shape[1], v_cache.shape[-1]
     ks = read_blocks(k_cache, block_ids, dtype, k_scale).permute(1, 0, 3, 2).reshape(hk, -1, d)[:, :seq_len]
     vs = read_blocks(v_cache, block_ids, dtype, v_scale).permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :seq_len]
     return ks, vs
@@ -115,7 +124,7 @@ def decode_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tens
     the native kernel: gathers the blocks, then attends with a padding mask). k_scale / v_scale: of an
     FP8 cache (ignored for others)."""
     B, Hq, D = q.shape
-    _, Hk, block_size, _ = v_cache.shape
+    Hk, block_size = v_cache.shape[1], k_cache.shape[-1]
     nb = -(-max_seq_len // block_size)
     bt = block_tables[:, :nb]
     L = nb * block_size

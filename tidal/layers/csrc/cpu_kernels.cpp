@@ -106,8 +106,18 @@ template <int DT> static void narrow(const float* src, float scale, int64_t n, v
 //     a bf16 cache's (D even) in pairs of dims: [num_blocks, Hk, D / 2, block_size, 2], dims 2p and 2p + 1 of
 //     a token side by side, so that 16 tokens' pairs are the 64 bytes a VDPBF16PS (or an AMX tile row) takes
 //     as they are, and widening a pair's halves costs one shift or one mask
-//   V [num_blocks, Hk, block_size, D]
+//   V [num_blocks, Hk, block_size, D]; a bf16 cache's (block_size even) in pairs of tokens: [num_blocks, Hk,
+//     block_size / 2, D, 2], tokens 2k and 2k + 1 of a dim side by side (the weighted sum's pair operand)
 template <int DT> static inline bool k_pairs(int64_t D) { return DT == kBF16 && D % 2 == 0; }
+template <int DT> static inline bool v_pairs(int64_t bs) { return DT == kBF16 && bs % 2 == 0; }
+// where the row of the block's token t starts in one head's V block: its pair's row where v_pairs (the token's
+// dim d then at 2 d + t % 2)
+template <int DT> static inline int64_t v_row(int64_t t, int64_t bs, int64_t D) {
+  return v_pairs<DT>(bs) ? (t & ~int64_t{1}) * D : t * D;
+}
+template <int DT> static inline int64_t v_offset(int64_t t, int64_t d, int64_t bs, int64_t D) {
+  return v_pairs<DT>(bs) ? v_row<DT>(t, bs, D) + 2 * d + (t & 1) : t * D + d;
+}
 // where dim d of the block's token t sits in one head's K block
 template <int DT> static inline int64_t k_offset(int64_t d, int64_t t, int64_t bs, int64_t D) {
   return k_pairs<DT>(D) ? (d & ~int64_t{1}) * bs + 2 * t + (d & 1) : d * bs + t;
@@ -137,7 +147,31 @@ template <int DT, int PAR> static inline vf load_k(const void* k, int64_t at, in
   if constexpr (DT == kBF16) return simd::load_bf16_half<PAR>(static_cast<const uint16_t*>(k) + at + (d - PAR) * bs);
   else return loadv<DT>(k, at + d * bs);
 }
+// dims [d, d + W) of a token of parity PAR as fp32, its row at `row` (a head's V block + v_row)
+template <int DT, int PAR> static inline vf load_v(const void* v, int64_t row, int64_t d) {
+  if constexpr (DT == kBF16) return simd::load_bf16_half<PAR>(static_cast<const uint16_t*>(v) + row + 2 * d);
+  else return loadv<DT>(v, row + d);
+}
 #endif
+
+// One head's V block (from element `start`) as fp32 rows of tokens, [bs][D] (a bf16 cache's pairs taken apart)
+template <int DT> static void widen_v_block(const void* v, int64_t start, int64_t D, int64_t bs, float* dst) {
+  if (!v_pairs<DT>(bs)) return widen<DT>(v, start, D * bs, dst);
+  const uint16_t* src = static_cast<const uint16_t*>(v) + start;
+  for (int64_t t = 0; t < bs; t += 2) {
+    const uint16_t* pairs = src + t * D;
+    float* even = dst + t * D;
+    float* odd = even + D;
+    int64_t d = 0;
+#if defined(TIDAL_VEC)
+    for (; d + W <= D; d += W) {
+      simd::store(even + d, simd::load_bf16_half<0>(pairs + 2 * d));
+      simd::store(odd + d, simd::load_bf16_half<1>(pairs + 2 * d));
+    }
+#endif
+    for (; d < D; ++d) even[d] = simd::bf16_to_float(pairs[2 * d]), odd[d] = simd::bf16_to_float(pairs[2 * d + 1]);
+  }
+}
 
 template <int DT>
 static void scores_generic(const float* qf, const void* k_cache, const int64_t* table, int64_t L, int64_t h,
@@ -157,9 +191,10 @@ static void accumulate_generic(const float* scores, const void* v_cache, const i
                                int64_t h, int64_t G, int64_t Hk, int64_t D, int64_t bs, float* acc) {
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t base = ((table[t / bs] * Hk + h) * bs + t % bs) * D;
+    const int64_t base = (table[t / bs] * Hk + h) * bs * D;
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += scores[g * L + t] * load1<DT>(v_cache, base + d);
+      for (int64_t d = 0; d < D; ++d)
+        acc[g * D + d] += scores[g * L + t] * load1<DT>(v_cache, base + v_offset<DT>(t % bs, d, bs, D));
   }
 }
 
@@ -317,6 +352,33 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
 constexpr int kVecRegs = W == 16 ? 32 : 16;  // vector registers: AVX-512's, AVX2's
 
 // One pass of accumulate_vec: vectors [c0, c0 + CN) of the head dim, all G rows' sums in registers.
+// One token t (of parity PAR, its row at `row`) of accumulate_pass: av[g][c] += p[g][t] * V[t][d0 + c W]
+template <int DT, int PAR, int G, int CN>
+[[gnu::always_inline]] static inline void acc_token(const float* p, int64_t stride, int64_t t, const void* v_cache,
+                                                    int64_t row, int64_t d0, vf (&av)[G][CN]) {
+  if constexpr (G * CN + G + 1 <= kVecRegs) {  // G broadcasts, then one V vector at a time
+    vf pv[G];
+    #pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) pv[g] = simd::set1(p[g * stride + t]);
+    #pragma GCC unroll 16
+    for (int c = 0; c < CN; ++c) {
+      const vf vv = load_v<DT, PAR>(v_cache, row, d0 + c * W);
+      #pragma GCC unroll 16
+      for (int g = 0; g < G; ++g) av[g][c] = simd::fmadd(pv[g], vv, av[g][c]);
+    }
+  } else {  // the CN V vectors, then one broadcast at a time: G * CN + CN + 1 registers
+    vf vv[CN];
+    #pragma GCC unroll 16
+    for (int c = 0; c < CN; ++c) vv[c] = load_v<DT, PAR>(v_cache, row, d0 + c * W);
+    #pragma GCC unroll 16
+    for (int g = 0; g < G; ++g) {
+      const vf pv = simd::set1(p[g * stride + t]);
+      #pragma GCC unroll 16
+      for (int c = 0; c < CN; ++c) av[g][c] = simd::fmadd(pv, vv[c], av[g][c]);
+    }
+  }
+}
+
 template <int DT, int G, int C, int CN>
 static void accumulate_pass(const float* p, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
                             int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init, int c0) {
@@ -329,32 +391,14 @@ static void accumulate_pass(const float* p, int64_t stride, const void* v_cache,
     for (int c = 0; c < CN; ++c) av[g][c] = init ? simd::zero() : simd::load(acc + g * D + (c0 + c) * W);
   for (int64_t start = t_begin; start < t_end; start += bs) {  // block by block: no division per token
     const int64_t n = std::min(bs, t_end - start);
-    const int64_t block_base = (table[start / bs] * Hk + h) * bs * D + c0 * W;
+    const int64_t block_base = (table[start / bs] * Hk + h) * bs * D;
     if (c0 == 0 && start + bs < t_end)
       prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
-    for (int64_t off = 0; off < n; ++off) {
-      const int64_t base = block_base + off * D, t = start + off;
-      if constexpr (G * CN + G + 1 <= kVecRegs) {  // G broadcasts, then one V vector at a time
-        vf pv[G];
-        #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) pv[g] = simd::set1(p[g * stride + t]);
-        #pragma GCC unroll 16
-        for (int c = 0; c < CN; ++c) {
-          const vf vv = loadv<DT>(v_cache, base + c * W);
-          #pragma GCC unroll 16
-          for (int g = 0; g < G; ++g) av[g][c] = simd::fmadd(pv[g], vv, av[g][c]);
-        }
-      } else {  // the CN V vectors, then one broadcast at a time: G * CN + CN + 1 registers
-        vf vv[CN];
-        #pragma GCC unroll 16
-        for (int c = 0; c < CN; ++c) vv[c] = loadv<DT>(v_cache, base + c * W);
-        #pragma GCC unroll 16
-        for (int g = 0; g < G; ++g) {
-          const vf pv = simd::set1(p[g * stride + t]);
-          #pragma GCC unroll 16
-          for (int c = 0; c < CN; ++c) av[g][c] = simd::fmadd(pv, vv[c], av[g][c]);
-        }
-      }
+    for (int64_t off = 0; off < n; off += 2) {  // (bs is a multiple of W: even)
+      const int64_t row = block_base + v_row<DT>(off, bs, D);
+      acc_token<DT, 0, G, CN>(p, stride, start + off, v_cache, row, c0 * W, av);
+      if (off + 1 < n)  // (the pair's row where v_pairs, the next row otherwise)
+        acc_token<DT, 1, G, CN>(p, stride, start + off + 1, v_cache, row + (DT == kBF16 ? 0 : D), c0 * W, av);
     }
   }
   #pragma GCC unroll 16
@@ -704,12 +748,11 @@ static constexpr int pow2_floor(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2
 
 // accumulate_bf16 (below) on AMX tiles, where simd::amx_usable() and bs is a multiple of 16: per group of 16
 // tokens (groups from t_begin, a multiple of bs: the same groups whichever call covers a token), the rows' 8
-// probability pairs (a tile of G rows x 32 bytes) times, per 32 dims, the unpacklo and unpackhi of V rows
-// t and t + 1 (accumulate_bf16's interleave: tiles of 8 token pairs x 16 dims in the accumulators' lane
-// order), into sum tiles that are acc's rows: acc[g][c][16] is row g of sum tile c, loaded (or zeroed when
-// init) and stored with a row stride of C * 16 floats. A last odd token pairs with zero, and pairs past the
-// range are zero on both sides, as in accumulate_bf16. Tiles: tmm0-3 the sums of up to 64 dims per pass,
-// tmm4 the probabilities, tmm5-6 V.
+// probability pairs (a tile of G rows x 32 bytes) times, per 16 dims, the cache's 8 token pairs of those dims
+// (a tile loaded as it is, rows 2 D words apart), into sum tiles that are acc's rows: acc[g][c][16] is row g
+// of sum tile c (dims 16 c on), loaded (or zeroed when init) and stored with a row stride of C * 16 floats.
+// A last group's tiles are copied, a last odd token's partner and the pairs past the range zero, as in
+// accumulate_bf16. Tiles: tmm0-3 the sums of up to 64 dims per pass, tmm4 the probabilities, tmm5-6 V.
 template <int J>
 TIDAL_AMX_TARGET static inline void acc_tile_load(float* acc, int64_t ldb, bool init) {
   if (init) {
@@ -733,40 +776,36 @@ TIDAL_AMX_TARGET static inline void acc_tile_store(float* acc, int64_t ldb) {
   else _tile_stored(3, acc, ldb);
 }
 
-// sum tile J += probabilities (tmm4) x the V tile at vb
+// sum tile J += probabilities (tmm4) x the V tile at vb (rows ld bytes apart)
 template <int J>
-TIDAL_AMX_TARGET static inline void acc_tile_step(const uint32_t* vb) {
-  if constexpr (J % 2 == 0) _tile_loadd(5, vb, 64);
-  else _tile_loadd(6, vb, 64);
+TIDAL_AMX_TARGET static inline void acc_tile_step(const uint16_t* vb, int64_t ld) {
+  if constexpr (J % 2 == 0) _tile_loadd(5, vb, ld);
+  else _tile_loadd(6, vb, ld);
   if constexpr (J == 0) _tile_dpbf16ps(0, 4, 5);
   else if constexpr (J == 1) _tile_dpbf16ps(1, 4, 6);
   else if constexpr (J == 2) _tile_dpbf16ps(2, 4, 5);
   else _tile_dpbf16ps(3, 4, 6);
 }
 
-// A group's V (block: its first token's row at dim 32 u0, rows D apart; n tokens) as the weighted sum's tiles
-// for nu 32-dim units from u0: vb[2 u + {0, 1}][8 pairs][16] words, the unpacklo and unpackhi of rows 2k and
-// 2k + 1 (a last odd token pairs with zero, pairs past n are zero), the tiles of sum tiles 2 (u0 + u) + {0, 1};
-// one unit's two tiles `unit` words apart
-static inline void unpack_v_group(const uint16_t* block, int64_t D, int64_t n, int nu, int64_t unit, uint32_t* vb) {
+// A group's V (pairs: the pair row of its first two tokens at dim 16 c0, pair rows 2 D words apart; n tokens)
+// copied as the weighted sum's tiles for nc 16-dim chunks: vb[c][8 pairs][16] words (a last odd token's
+// partner and the pairs past n zero), tile c `unit` words apart
+static inline void copy_v_group(const uint16_t* pairs, int64_t D, int64_t n, int nc, int64_t unit, uint32_t* vb) {
   const int64_t np = (n + 1) / 2;
-  for (int64_t k = 0; k < 8; ++k) {
-    for (int u = 0; u < nu; ++u) {
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+  const __m512i first = _mm512_set1_epi32(0xffff);
+  for (int64_t k = 0; k < 8; ++k)
+    for (int c = 0; c < nc; ++c) {
+      __m512i w = _mm512_setzero_si512();
       if (k < np) {
-        const uint16_t* r0p = block + 2 * k * D + u * 32;
-        const __m512i r0 = _mm512_loadu_si512(r0p);
-        const __m512i r1 = 2 * k + 1 < n ? _mm512_loadu_si512(r0p + D) : _mm512_setzero_si512();
-        lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+        w = _mm512_loadu_si512(pairs + 2 * k * D + 32 * c);
+        if (2 * k + 1 == n) w = _mm512_and_si512(w, first);  // the last token alone
       }
-      _mm512_store_si512(vb + 2 * u * unit + k * 16, lo);
-      _mm512_store_si512(vb + (2 * u + 1) * unit + k * 16, hi);
+      _mm512_store_si512(vb + c * unit + k * 16, w);
     }
-  }
 }
 
 // a pass's nc (2 or 4) sum tiles, those of acc's dims from 16 c0: loaded (or zeroed when init), stepped by the
-// probabilities in tmm4 times the V tiles at vb (128 words apart), stored
+// probabilities in tmm4 times the V tiles at vb (`unit` elements apart, rows ld bytes apart), stored
 TIDAL_AMX_TARGET static inline void acc_tiles_load(float* acc, int c0, int64_t ldb, bool init, int nc) {
   acc_tile_load<0>(acc + c0 * 16, ldb, init);
   acc_tile_load<1>(acc + (c0 + 1) * 16, ldb, init);
@@ -776,12 +815,12 @@ TIDAL_AMX_TARGET static inline void acc_tiles_load(float* acc, int c0, int64_t l
   }
 }
 
-TIDAL_AMX_TARGET static inline void acc_tiles_step(const uint32_t* vb, int nc) {
-  acc_tile_step<0>(vb);
-  acc_tile_step<1>(vb + 128);
+TIDAL_AMX_TARGET static inline void acc_tiles_step(const uint16_t* vb, int64_t unit, int64_t ld, int nc) {
+  acc_tile_step<0>(vb, ld);
+  acc_tile_step<1>(vb + unit, ld);
   if (nc > 2) {
-    acc_tile_step<2>(vb + 256);
-    acc_tile_step<3>(vb + 384);
+    acc_tile_step<2>(vb + 2 * unit, ld);
+    acc_tile_step<3>(vb + 3 * unit, ld);
   }
 }
 
@@ -817,7 +856,7 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx_prepared(const void* probs, int
     acc_tiles_load(acc, c0, ldb, init, nc);
     for (int64_t g = 0; g < groups; ++g) {
       _tile_loadd(4, ppairs + g * 8, half * 4);
-      acc_tiles_step(vperm + (g * C + c0) * 128, nc);
+      acc_tiles_step(reinterpret_cast<const uint16_t*>(vperm + (g * C + c0) * 128), 256, 64, nc);
     }
     acc_tiles_store(acc, c0, ldb, nc);
   }
@@ -825,7 +864,7 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx_prepared(const void* probs, int
 }
 
 // The K and V tiles of groups [g_begin, g_end) of head h over `table` (16 tokens each, all in the cache), for
-// the prepared kernels: kperm + g * C / 2 * 256 (copy_k_group), vperm + g * C * 128 (unpack_v_group)
+// the prepared kernels: kperm + g * C / 2 * 256 (copy_k_group), vperm + g * C * 128 (copy_v_group)
 template <int C>
 static void prepare_bf16_groups(const void* k_cache, const void* v_cache, const int64_t* table, int64_t g_begin,
                                 int64_t g_end, int64_t h, int64_t Hk, int64_t bs, uint32_t* kperm, uint32_t* vperm) {
@@ -834,8 +873,8 @@ static void prepare_bf16_groups(const void* k_cache, const void* v_cache, const 
     const int64_t t0 = 16 * g, blk = table[t0 / bs], off = t0 % bs;
     copy_k_group<C>(static_cast<const uint16_t*>(k_cache) + (blk * Hk + h) * D * bs + 2 * off, bs,
                     kperm + g * (C / 2) * 256);
-    unpack_v_group(static_cast<const uint16_t*>(v_cache) + (blk * Hk + h) * bs * D + off * D, D, 16, C / 2, 128,
-                   vperm + g * C * 128);
+    copy_v_group(static_cast<const uint16_t*>(v_cache) + (blk * Hk + h) * bs * D + off * D, D, 16, C, 128,
+                 vperm + g * C * 128);
   }
 }
 
@@ -849,34 +888,36 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t
   const int64_t ldb = C * 16 * 4;  // acc's row stride in bytes
   const int64_t chunk_bytes = D * bs * 2;
   alignas(64) uint32_t pa[16][8];   // a last group's probabilities, zero past the range
-  alignas(64) uint32_t vb[4][8][16];  // this pass's V tiles: [sum tile][token pair][16 dims]
+  alignas(64) uint32_t vb[4][8][16];  // a last group's V tiles: [sum tile][token pair][16 dims]
   for (int c0 = 0; c0 < C; c0 += 4) {  // passes of up to 64 dims (4 sum tiles)
     const int nc = (int)std::min<int64_t>(4, C - c0);
     acc_tiles_load(acc, c0, ldb, init, nc);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, t_end - t0), np = (n + 1) / 2;
-      const uint16_t* block = v_cache + (table[t0 / bs] * Hk + h) * bs * D + (t0 % bs) * D + c0 * 16;
+      // the pair row of tokens t0, t0 + 1 at dim 16 c0
+      const uint16_t* pairs = v_cache + (table[t0 / bs] * Hk + h) * bs * D + (t0 % bs) * D + 32 * c0;
       if (c0 == 0 && t0 % bs == 0 && t0 + bs < t_end)
         prefetch_bytes(reinterpret_cast<const char*>(v_cache + (table[t0 / bs + 1] * Hk + h) * bs * D), chunk_bytes);
-      unpack_v_group(block, D, n, nc / 2, 128, &vb[0][0][0]);
       if (n == 16) {
         _tile_loadd(4, ppairs + t0 / 2, half * 4);
+        acc_tiles_step(pairs, 32, 4 * D, nc);
       } else {
         std::memset(pa, 0, sizeof(pa));
         for (int g = 0; g < G; ++g) std::memcpy(pa[g], ppairs + g * half + t0 / 2, np * 4);
         _tile_loadd(4, pa, 32);
+        copy_v_group(pairs, D, n, nc, 128, &vb[0][0][0]);
+        acc_tiles_step(reinterpret_cast<const uint16_t*>(&vb[0][0][0]), 256, 64, nc);
       }
-      acc_tiles_step(&vb[0][0][0], nc);
     }
     acc_tiles_store(acc, c0, ldb, nc);
   }
   _tile_release();
 }
 
-// Weighted sum of V rows over the bf16 probability pairs of bf16_pairs (row g at ppairs + g * half): rows
-// t and t + 1 are interleaved into (token t, token t + 1) pairs per dim, so one VDPBF16PS adds two tokens.
-// Tokens [t_begin, t_end), t_begin a multiple of bs (bs is even: a pair never straddles two blocks). acc
-// [G][C][16] holds the sums in the accumulators' lane order (see bf16_acc_to_rows), from zero when init.
+// Weighted sum of V rows over the bf16 probability pairs of bf16_pairs (row g at ppairs + g * half): the
+// cache's (token t, token t + 1) pairs of 16 dims are one load, so one VDPBF16PS adds two tokens. Tokens
+// [t_begin, t_end), t_begin a multiple of bs (bs is even: a pair never straddles two blocks); a last odd
+// token's partner is zeroed (its row may hold anything). acc [G][D] holds the sums, from zero when init.
 // The head dim is covered in passes of P2 32-dim units, so that at most 24 accumulators are live.
 template <int G, int C>
 static void accumulate_bf16(const uint32_t* ppairs, int64_t half, const uint16_t* v_cache, const int64_t* table,
@@ -900,20 +941,19 @@ static void accumulate_bf16(const uint32_t* ppairs, int64_t half, const uint16_t
         av[g][c] = init ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (g * C + 2 * u0 + c) * 16);
     for (int64_t start = t_begin; start < t_end; start += bs) {
       const int64_t n = std::min(bs, t_end - start);
-      const uint16_t* block = v_cache + (table[start / bs] * Hk + h) * bs * D + u0 * 32;
+      const uint16_t* block = v_cache + (table[start / bs] * Hk + h) * bs * D + u0 * 64;  // pair row 0, dim 32 u0
       if (u0 == 0 && start + bs < t_end)
         prefetch_bytes(reinterpret_cast<const char*>(v_cache + (table[start / bs + 1] * Hk + h) * bs * D), chunk_bytes);
       for (int64_t off = 0; off < n; off += 2) {
-        const uint16_t* r0p = block + off * D;
-        const bool pair = off + 1 < n;  // the last token alone: its partner row may hold anything
+        const uint16_t* prow = block + off * D;  // tokens off, off + 1
+        const __m512i keep = off + 1 < n ? _mm512_set1_epi32(-1) : _mm512_set1_epi32(0xffff);
         __m512i pp[G];
         #pragma GCC unroll 16
         for (int g = 0; g < G; ++g) pp[g] = _mm512_set1_epi32(static_cast<int>(ppairs[g * half + (start + off) / 2]));
         #pragma GCC unroll 16
         for (int u = 0; u < P2; ++u) {
-          const __m512i r0 = _mm512_loadu_si512(r0p + u * 32);
-          const __m512i r1 = pair ? _mm512_loadu_si512(r0p + D + u * 32) : _mm512_setzero_si512();
-          const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+          const __m512i lo = _mm512_and_si512(_mm512_loadu_si512(prow + u * 64), keep);
+          const __m512i hi = _mm512_and_si512(_mm512_loadu_si512(prow + u * 64 + 32), keep);
           #pragma GCC unroll 16
           for (int g = 0; g < G; ++g) {
             av[g][2 * u] = _mm512_dpbf16_ps(av[g][2 * u], (__m512bh)lo, (__m512bh)pp[g]);
@@ -929,20 +969,6 @@ static void accumulate_bf16(const uint32_t* ppairs, int64_t half, const uint16_t
   }
 }
 
-// accumulate_bf16's sums [rows][C][16] to rows of D = 16 C dims in order. unpacklo/hi interleave within
-// 128-bit lanes: lane j of chunk 2c (2c + 1) holds dim 32c + 8 (j / 4) + j % 4 (+ 4).
-static void bf16_acc_to_rows(const float* acc, int64_t rows, int64_t C, float* out) {
-  const int64_t D = C * 16;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c2 = 0; c2 < C / 2; ++c2) {
-      const float* a0 = acc + (r * C + 2 * c2) * 16;
-      for (int j = 0; j < 16; ++j) {
-        const int64_t d = c2 * 32 + 8 * (j / 4) + j % 4;
-        out[r * D + d] = a0[j];
-        out[r * D + d + 4] = a0[16 + j];
-      }
-    }
-}
 #endif
 
 // The two halves of attention for R query rows on one path (the VDPBF16PS path for exact bf16 queries
@@ -1096,7 +1122,7 @@ template <bool BF16>
 static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf, int64_t m, int64_t G, int64_t D,
                         float scale, const void* k_cache, const void* v_cache, const int64_t* const* tables,
                         const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs, simd::avector<float>& work,
-                        float* acc, float* out, const TileSource* src = nullptr,
+                        float* out, const TileSource* src = nullptr,
                         const PreparedGroups* prep = nullptr) {
   const TileSource shared = src ? *src : TileSource{k_cache, v_cache, tables[0], h, Hk};
   const int64_t R = m * G;
@@ -1145,26 +1171,21 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
   }
   const void* probs = scores;
   int64_t pstride = stride;
-  float* sums = out;
 #if defined(__AVX512BF16__)
   if constexpr (BF16) {
     bf16_pairs(scores, stride, R, G, ends, pairs, fold ? factors : nullptr);
     probs = pairs;
     pstride = half;
-    sums = acc;
   }
 #endif
-  if (pre > 0) tile.prepared_acc(probs, pstride, prep->vperm, prep->groups, sums, true);
-  if (S > pre || pre == 0) tile.acc(probs, pstride, shared.v, shared.table, pre, S, shared.h, shared.Hk, bs, sums, pre == 0);
+  if (pre > 0) tile.prepared_acc(probs, pstride, prep->vperm, prep->groups, out, true);
+  if (S > pre || pre == 0) tile.acc(probs, pstride, shared.v, shared.table, pre, S, shared.h, shared.Hk, bs, out, pre == 0);
   for (int64_t i = 0; i < m; ++i)
     if (lens[i] > S) {
       const void* pi = BF16 ? static_cast<const void*>(static_cast<const uint32_t*>(probs) + i * G * pstride)
                             : static_cast<const void*>(static_cast<const float*>(probs) + i * G * pstride);
-      one.acc(pi, pstride, v_cache, tables[i], S, lens[i], h, Hk, bs, sums + i * G * D, false);
+      one.acc(pi, pstride, v_cache, tables[i], S, lens[i], h, Hk, bs, out + i * G * D, false);
     }
-#if defined(__AVX512BF16__)
-  if constexpr (BF16) bf16_acc_to_rows(acc, R, D / 16, out);
-#endif
 }
 #endif
 
@@ -1526,7 +1547,7 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> qf(QT * G * D), res(QT * G * D);
-    simd::avector<float> acc(QT * G * D), work;
+    simd::avector<float> work;
     int64_t lens[8];
     const int64_t* tabs[8];
 #if defined(TIDAL_VEC)
@@ -1566,7 +1587,7 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
             const int64_t id = tabs[0][j];
             if (j < static_cast<int64_t>(wide_ids.size()) && wide_ids[j] == id) continue;
             widen_k_block<KDT>(k_cache, (id * Hk + h) * chunk, D, bs, wide_k.data() + j * chunk);
-            widen<KDT>(v_cache, (id * Hk + h) * chunk, chunk, wide_v.data() + j * chunk);
+            widen_v_block<KDT>(v_cache, (id * Hk + h) * chunk, D, bs, wide_v.data() + j * chunk);
             if (j < static_cast<int64_t>(wide_ids.size())) wide_ids[j] = id;
             else wide_ids.push_back(id);
           }
@@ -1581,7 +1602,7 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
           {
             const TileSource wide{wide_k.data(), wide_v.data(), wide_table.data(), 0, 1};
             attend_tile<false>(tiled_wide, one, qf.data(), m, G, D, scale, k_cache, v_cache, tabs, lens, S, h, Hk,
-                               bs, work, acc.data(), res.data(), &wide);
+                               bs, work, res.data(), &wide);
           }
         } else if (prepared && n > 1) {
           const int64_t groups = S / 16;
@@ -1602,11 +1623,11 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
           }
           const PreparedGroups prep{prep_k.data(), prep_v.data(), groups};
           attend_tile<true>(tiled, one, qf.data(), m, G, D, scale, k_cache, v_cache, tabs, lens, S, h, Hk, bs, work,
-                            acc.data(), res.data(), nullptr, &prep);
+                            res.data(), nullptr, &prep);
         } else {
           (one.bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale,
                                                           k_cache, v_cache, tabs, lens, S, h, Hk, bs, work,
-                                                          acc.data(), res.data(), nullptr, nullptr);
+                                                          res.data(), nullptr, nullptr);
         }
       } else
 #endif
@@ -1696,7 +1717,8 @@ static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, co
 // Writes this step's K/V rows into the paged cache: k, v [T, Hk, D] with row strides k_stride,
 // v_stride (elements); token t goes to slot slots[t] = block * bs + offset of
 // k_cache [num_blocks, Hk, D, bs] (K blocks transposed; pairs of dims [num_blocks, Hk, D / 2, bs, 2] where
-// k_pairs: a bf16 cache) and v_cache [num_blocks, Hk, bs, D].
+// k_pairs: a bf16 cache) and v_cache [num_blocks, Hk, bs, D] (pairs of tokens [num_blocks, Hk, bs / 2, D, 2]
+// where v_pairs).
 template <typename S, typename E>
 static inline E convert(S x) {
   if constexpr (std::is_same<S, E>::value) return x;
@@ -1734,7 +1756,8 @@ static inline void prefetch_next_slot(const int64_t* slots, int64_t t, int64_t T
   const int64_t next = slots[t + 1] / bs, off = slots[t + 1] % bs;
   for (int64_t h = 0; h < Hk; ++h) {
     prefetch_bytes(reinterpret_cast<const char*>(kc + (next * Hk + h) * D * bs), D * bs * sizeof(E));
-    prefetch_bytes(reinterpret_cast<const char*>(vc + ((next * Hk + h) * bs + off) * D), D * sizeof(E));
+    // (the token's pair of rows: a bf16 cache's V in pairs of tokens)
+    prefetch_bytes(reinterpret_cast<const char*>(vc + ((next * Hk + h) * bs + (off & ~int64_t{1})) * D), 2 * D * sizeof(E));
   }
 #else
   (void)slots; (void)t; (void)T; (void)kc; (void)vc; (void)Hk; (void)D; (void)bs;
@@ -1767,7 +1790,7 @@ static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_
 template <typename S, typename E>
 static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                      void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs, bool k_pairs,
-                     int num_threads) {
+                     bool v_pairs, int num_threads) {
   const S* ks = static_cast<const S*>(k);
   const S* vs = static_cast<const S*>(v);
   E* kc = static_cast<E*>(k_cache);
@@ -1779,7 +1802,15 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
     for (int64_t h = 0; h < Hk; ++h) {
       const S* kr = ks + t * k_stride + h * D;
       const S* vr = vs + t * v_stride + h * D;
-      E* vdst = vc + ((block * Hk + h) * bs + off) * D;
+      if (v_pairs) {
+        E* vdst = vc + (block * Hk + h) * bs * D + (off & ~int64_t{1}) * D + (off & 1);
+        for (int64_t d = 0; d < D; ++d) vdst[2 * d] = convert<S, E>(vr[d]);
+      } else if constexpr (std::is_same<S, E>::value) {
+        std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vr, D * sizeof(E));
+      } else {
+        E* vdst = vc + ((block * Hk + h) * bs + off) * D;
+        for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
+      }
       if (k_pairs) {
         E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
         for (int64_t d = 0; d < D; d += 2) {
@@ -1790,8 +1821,6 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
         E* kdst = kc + (block * Hk + h) * D * bs + off;
         for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
       }
-      if constexpr (std::is_same<S, E>::value) std::memcpy(vdst, vr, D * sizeof(E));
-      else for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
     }
   }
 }
@@ -1959,13 +1988,14 @@ void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_st
     else TIDAL_WRITE_E4M3(kF16);
   } else if (dtype == kF32 && kv_dtype == kBF16)
     write_kv<float, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size,
-                              k_pairs<kBF16>(D), num_threads);
+                              k_pairs<kBF16>(D), v_pairs<kBF16>(block_size), num_threads);
   else if (dtype == kF32)
-    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size, false,
+    write_kv<float, float>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size, false, false,
                            num_threads);
   else  // any 2-byte type into the same type
     write_kv<uint16_t, uint16_t>(k, k_stride, v, v_stride, slots, k_cache, v_cache, T, Hk, D, block_size,
-                                 kv_dtype == kBF16 && k_pairs<kBF16>(D), num_threads);
+                                 kv_dtype == kBF16 && k_pairs<kBF16>(D), kv_dtype == kBF16 && v_pairs<kBF16>(block_size),
+                                 num_threads);
 #undef TIDAL_WRITE_E4M3
 }
 
@@ -1979,7 +2009,8 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 
 // q [B, Hq, D], query b's heads at q + b * q_stride (elements; Hq * D when contiguous, more when the queries
 // are read in place from rows of [q | k] or [q | k | v]); k_cache [num_blocks, Hk, D, block_size] (in pairs of
-// dims where k_pairs, as write_kv); v_cache [num_blocks, Hk, block_size, D]; block_tables [rows, max_blocks]; table_index [B] (query b reads row
+// dims where k_pairs, as write_kv); v_cache [num_blocks, Hk, block_size, D] (in pairs of tokens where
+// v_pairs); block_tables [rows, max_blocks]; table_index [B] (query b reads row
 // table_index[b]; null: row b); seq_lens [B] (including the new token); out [B, Hq, D]. All but q
 // contiguous. dtype (q and out), kv_dtype (the cache): 0 f32, 1 bf16, 2 f16, 3 E4M3; equal, fp32 queries
 // over a bf16 cache, or any queries over an E4M3 cache whose values are k_scale / v_scale times the stored
