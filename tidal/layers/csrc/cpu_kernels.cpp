@@ -1803,8 +1803,19 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
       const S* kr = ks + t * k_stride + h * D;
       const S* vr = vs + t * v_stride + h * D;
       if (v_pairs) {
-        E* vdst = vc + (block * Hk + h) * bs * D + (off & ~int64_t{1}) * D + (off & 1);
-        for (int64_t d = 0; d < D; ++d) vdst[2 * d] = convert<S, E>(vr[d]);
+        E* prow = vc + (block * Hk + h) * bs * D + (off & ~int64_t{1}) * D;  // the token's pair row
+        int64_t d = 0;
+#if TIDAL_VEC == 16
+        if constexpr (std::is_same<S, E>::value) {  // 16 values into every other 16-bit slot: one masked store
+          const __mmask32 mine = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
+          for (; d + 16 <= D; d += 16) {
+            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + d)));
+            if (off & 1) w = _mm512_slli_epi32(w, 16);
+            _mm512_mask_storeu_epi16(prow + 2 * d, mine, w);
+          }
+        }
+#endif
+        for (; d < D; ++d) prow[2 * d + (off & 1)] = convert<S, E>(vr[d]);
       } else if constexpr (std::is_same<S, E>::value) {
         std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vr, D * sizeof(E));
       } else {
@@ -1814,8 +1825,12 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
       if (k_pairs) {
         E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
         for (int64_t d = 0; d < D; d += 2) {
-          kdst[d * bs] = convert<S, E>(kr[d]);
-          kdst[d * bs + 1] = convert<S, E>(kr[d + 1]);
+          if constexpr (std::is_same<S, E>::value) {
+            std::memcpy(kdst + d * bs, kr + d, 2 * sizeof(E));  // the pair as one word
+          } else {
+            kdst[d * bs] = convert<S, E>(kr[d]);
+            kdst[d * bs + 1] = convert<S, E>(kr[d + 1]);
+          }
         }
       } else {
         E* kdst = kc + (block * Hk + h) * D * bs + off;
