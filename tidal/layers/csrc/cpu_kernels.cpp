@@ -548,13 +548,6 @@ TIDAL_AMX_TARGET static inline void score_chunk(const uint16_t* kb, int64_t ld) 
   else _tile_dpbf16ps(0, 4, 6);
 }
 
-// A group of 16 tokens' K (base: the pair of dims 0, 1 of its first token, pairs 2 bs words apart) copied as
-// the scores' tiles of a 16-token block: kb[CH][16 pairs][16 tokens] words
-template <int C>
-static inline void copy_k_group(const uint16_t* base, int64_t bs, uint32_t* kb) {
-  for (int64_t p = 0; p < C * 8; ++p) std::memcpy(kb + (p / 16) * 256 + (p % 16) * 16, base + 2 * p * bs, 64);
-}
-
 // the tiles' configuration of the scores kernels, and the R query rows' chunks in tmm1-4 (rows past R zero)
 template <int R, int C>
 TIDAL_AMX_TARGET static inline void begin_scores(const uint16_t* qb) {
@@ -619,22 +612,6 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
   _tile_release();
 }
 
-// scores_bf16_amx over whole groups [0, groups) whose K tiles were made beforehand (prepare_bf16_groups,
-// kperm: CH * 256 words a group), for a tile's shared part that later tiles read again: the same tiles, the
-// same products, the same bits
-template <int R, int C>
-TIDAL_AMX_TARGET static void scores_bf16_amx_prepared(const void* q, float scale, const uint32_t* kperm, int64_t groups,
-                                                      int64_t stride, float* scores) {
-  constexpr int CH = C / 2;
-  begin_scores<R, C>(static_cast<const uint16_t*>(q));
-  alignas(64) float sums[16][16];
-  const __m512 sv = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < groups; ++g) {
-    score_group<CH>(reinterpret_cast<const uint16_t*>(kperm + g * CH * 256), 16, sums);
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * stride + 16 * g, _mm512_mul_ps(_mm512_load_ps(sums[r]), sv));
-  }
-  _tile_release();
-}
 #endif
 
 #if defined(__AVX512BF16__)
@@ -842,42 +819,6 @@ TIDAL_AMX_TARGET static inline void configure_acc(int G) {
   simd::load_tile_config(cfg);
 }
 
-// accumulate_bf16_amx over whole groups [0, groups) whose V tiles were made beforehand (prepare_bf16_groups,
-// vperm: C tiles of 128 words a group, tile c for sum tile c), as scores_bf16_amx_prepared
-template <int G, int C>
-TIDAL_AMX_TARGET static void accumulate_bf16_amx_prepared(const void* probs, int64_t half, const uint32_t* vperm,
-                                                          int64_t groups, float* acc, bool init) {
-  static_assert(C % 2 == 0 && G <= 16, "AMX weighted sum: D a multiple of 32, at most 16 rows");
-  const uint32_t* ppairs = static_cast<const uint32_t*>(probs);
-  configure_acc(G);
-  const int64_t ldb = C * 16 * 4;
-  for (int c0 = 0; c0 < C; c0 += 4) {
-    const int nc = std::min(4, C - c0);
-    acc_tiles_load(acc, c0, ldb, init, nc);
-    for (int64_t g = 0; g < groups; ++g) {
-      _tile_loadd(4, ppairs + g * 8, half * 4);
-      acc_tiles_step(reinterpret_cast<const uint16_t*>(vperm + (g * C + c0) * 128), 256, 64, nc);
-    }
-    acc_tiles_store(acc, c0, ldb, nc);
-  }
-  _tile_release();
-}
-
-// The K and V tiles of groups [g_begin, g_end) of head h over `table` (16 tokens each, all in the cache), for
-// the prepared kernels: kperm + g * C / 2 * 256 (copy_k_group), vperm + g * C * 128 (copy_v_group)
-template <int C>
-static void prepare_bf16_groups(const void* k_cache, const void* v_cache, const int64_t* table, int64_t g_begin,
-                                int64_t g_end, int64_t h, int64_t Hk, int64_t bs, uint32_t* kperm, uint32_t* vperm) {
-  constexpr int64_t D = C * 16;
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    const int64_t t0 = 16 * g, blk = table[t0 / bs], off = t0 % bs;
-    copy_k_group<C>(static_cast<const uint16_t*>(k_cache) + (blk * Hk + h) * D * bs + 2 * off, bs,
-                    kperm + g * (C / 2) * 256);
-    copy_v_group(static_cast<const uint16_t*>(v_cache) + (blk * Hk + h) * bs * D + off * D, D, 16, C, 128,
-                 vperm + g * C * 128);
-  }
-}
-
 template <int G, int C>
 TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t half, const uint16_t* v_cache,
                                                  const int64_t* table, int64_t t_begin, int64_t t_end, int64_t h,
@@ -981,30 +922,11 @@ using ScoresFn = void (*)(const void* q, float scale, const void* k_cache, const
                           float* scores);
 using AccFn = void (*)(const void* probs, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
                        int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init);
-// The AMX kernels over groups prepared beforehand (scores_bf16_amx_prepared, accumulate_bf16_amx_prepared), and
-// the function that prepares them (prepare_bf16_groups)
-using PreparedScoresFn = void (*)(const void* q, float scale, const uint32_t* kperm, int64_t groups, int64_t stride,
-                                  float* scores);
-using PreparedAccFn = void (*)(const void* probs, int64_t stride, const uint32_t* vperm, int64_t groups, float* acc,
-                               bool init);
-using PrepareFn = void (*)(const void* k_cache, const void* v_cache, const int64_t* table, int64_t g_begin,
-                           int64_t g_end, int64_t h, int64_t Hk, int64_t bs, uint32_t* kperm, uint32_t* vperm);
 struct RowKernels {
   ScoresFn scores = nullptr;
   AccFn acc = nullptr;
   bool bf16 = false;
-  PreparedScoresFn prepared_scores = nullptr;  // set on the VDPBF16PS path where D <= 128 (used only on AMX)
-  PreparedAccFn prepared_acc = nullptr;
-  PrepareFn prepare = nullptr;
   explicit operator bool() const { return scores != nullptr; }
-};
-
-// Groups of 16 tokens of a tile's shared part, K and V already in the tiles' layout: kperm, vperm for groups
-// [0, groups) (prepare_bf16_groups)
-struct PreparedGroups {
-  const uint32_t* kperm;
-  const uint32_t* vperm;
-  int64_t groups;
 };
 
 template <int DT, int C, bool QEXACT>
@@ -1050,15 +972,7 @@ static void acc_rows(const void* probs, int64_t stride, const void* v_cache, con
 
 template <int DT, bool QEXACT, int R, int C>
 static RowKernels row_kernels() {
-  RowKernels k{scores_rows<DT, R, C, QEXACT>, acc_rows<DT, R, C, QEXACT>, bf16_path<DT, C, QEXACT>()};
-#if defined(__AVX512BF16__)
-  if constexpr (bf16_path<DT, C, QEXACT>() && C / 2 <= 4 && R <= 16) {
-    k.prepared_scores = scores_bf16_amx_prepared<R, C>;
-    k.prepared_acc = accumulate_bf16_amx_prepared<R, C>;
-    k.prepare = prepare_bf16_groups<C>;
-  }
-#endif
-  return k;
+  return {scores_rows<DT, R, C, QEXACT>, acc_rows<DT, R, C, QEXACT>, bf16_path<DT, C, QEXACT>()};
 }
 
 template <int DT, bool QEXACT, int R>
@@ -1122,8 +1036,7 @@ template <bool BF16>
 static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf, int64_t m, int64_t G, int64_t D,
                         float scale, const void* k_cache, const void* v_cache, const int64_t* const* tables,
                         const int64_t* lens, int64_t S, int64_t h, int64_t Hk, int64_t bs, simd::avector<float>& work,
-                        float* out, const TileSource* src = nullptr,
-                        const PreparedGroups* prep = nullptr) {
+                        float* out, const TileSource* src = nullptr) {
   const TileSource shared = src ? *src : TileSource{k_cache, v_cache, tables[0], h, Hk};
   const int64_t R = m * G;
   int64_t stride = S, ends[8];
@@ -1151,10 +1064,7 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
     q = qf;
     q_row_bytes = D * 4;
   }
-  // the shared part's whole groups from their prepared tiles, if any; the rest from the cache
-  const int64_t pre = prep ? 16 * prep->groups : 0;
-  if (pre > 0) tile.prepared_scores(q, scale, prep->kperm, prep->groups, stride, scores);
-  if (S > pre) tile.scores(q, scale, shared.k, shared.v, shared.table, pre, S, stride, shared.h, shared.Hk, bs, scores);
+  if (S > 0) tile.scores(q, scale, shared.k, shared.v, shared.table, 0, S, stride, shared.h, shared.Hk, bs, scores);
   for (int64_t i = 0; i < m; ++i)
     if (lens[i] > S)
       one.scores(static_cast<char*>(q) + i * G * q_row_bytes, scale, k_cache, v_cache, tables[i], S, lens[i], stride,
@@ -1178,8 +1088,7 @@ static void attend_tile(const RowKernels& tile, const RowKernels& one, float* qf
     pstride = half;
   }
 #endif
-  if (pre > 0) tile.prepared_acc(probs, pstride, prep->vperm, prep->groups, out, true);
-  if (S > pre || pre == 0) tile.acc(probs, pstride, shared.v, shared.table, pre, S, shared.h, shared.Hk, bs, out, pre == 0);
+  tile.acc(probs, pstride, shared.v, shared.table, 0, S, shared.h, shared.Hk, bs, out, true);
   for (int64_t i = 0; i < m; ++i)
     if (lens[i] > S) {
       const void* pi = BF16 ? static_cast<const void*>(static_cast<const uint32_t*>(probs) + i * G * pstride)
@@ -1526,15 +1435,8 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
   // when tiles widen their shared blocks, the tiles of several queries come first, head by head, so that the
   // next tile a thread takes is often of the same head and over the same blocks, which it keeps widened
   std::vector<int64_t> items;
-  // On AMX, a thread keeps the K and V tiles it made of a tile's shared whole groups (prepare_bf16_groups) for
-  // the next tile of the same head over the same blocks: a prompt chunk's later query tiles read all of an
-  // earlier one's tokens again, and decodes sharing a prefix read the same prefix.
-  bool prepared = false;
-#if defined(__AVX512BF16__)
-  prepared = tiled.prepare != nullptr && !tiled_wide && simd::amx_usable() && bs % 16 == 0;
-#endif
 #if defined(TIDAL_VEC)
-  if (tiled_wide || prepared) {
+  if (tiled_wide) {
     items.reserve(2 * num_tiles * Hk);
     for (int64_t h = 0; h < Hk; ++h)
       for (int64_t t = 0; t < num_tiles; ++t)
@@ -1555,10 +1457,6 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
     std::vector<float> wide_k, wide_v;
     std::vector<int64_t> wide_ids, wide_table;
     int64_t wide_h = -1;
-    // the prepared groups (prepared): their tiles, each group's cache block, and the head
-    simd::avector<uint32_t> prep_k, prep_v;
-    std::vector<int64_t> prep_blocks;
-    int64_t prep_h = -1;
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_tiles * Hk; ++item) {
@@ -1604,30 +1502,10 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
             attend_tile<false>(tiled_wide, one, qf.data(), m, G, D, scale, k_cache, v_cache, tabs, lens, S, h, Hk,
                                bs, work, res.data(), &wide);
           }
-        } else if (prepared && n > 1) {
-          const int64_t groups = S / 16;
-          if (prep_h != h) prep_blocks.clear();
-          prep_h = h;
-          int64_t keep = 0;  // groups already prepared (the same blocks, in order)
-          while (keep < static_cast<int64_t>(prep_blocks.size()) && keep < groups &&
-                 prep_blocks[keep] == tabs[0][16 * keep / bs])
-            ++keep;
-          prep_blocks.resize(keep);
-          if (groups > keep) {
-            if (static_cast<int64_t>(prep_k.size()) < groups * 8 * D) {  // (resized: the kept groups stay)
-              prep_k.resize(groups * 8 * D);
-              prep_v.resize(groups * 8 * D);
-            }
-            tiled.prepare(k_cache, v_cache, tabs[0], keep, groups, h, Hk, bs, prep_k.data(), prep_v.data());
-            for (int64_t g = keep; g < groups; ++g) prep_blocks.push_back(tabs[0][16 * g / bs]);
-          }
-          const PreparedGroups prep{prep_k.data(), prep_v.data(), groups};
-          attend_tile<true>(tiled, one, qf.data(), m, G, D, scale, k_cache, v_cache, tabs, lens, S, h, Hk, bs, work,
-                            res.data(), nullptr, &prep);
         } else {
           (one.bf16 ? attend_tile<true> : attend_tile<false>)(n > 1 ? tiled : one, one, qf.data(), m, G, D, scale,
                                                           k_cache, v_cache, tabs, lens, S, h, Hk, bs, work,
-                                                          res.data(), nullptr, nullptr);
+                                                          res.data(), nullptr);
         }
       } else
 #endif
