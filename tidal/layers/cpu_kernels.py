@@ -90,6 +90,14 @@ def _cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
             or cache_dtype == torch.float8_e4m3fn)
 
 
+def _layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The kernels read a bf16 cache in pairs (attention/layer.py): its K view 5-D where head_dim is even, its
+    V view 5-D where block_size is even, as split_kv_cache gives them; other caches 4-D."""
+    if k_cache.dtype != torch.bfloat16:
+        return k_cache.dim() == 4 and v_cache.dim() == 4
+    return (k_cache.dim() == 5) == (v_cache.shape[-1] % 2 == 0) and (v_cache.dim() == 5) == (k_cache.shape[-1] % 2 == 0)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            table_index: torch.Tensor | None = None, k_scale: float = 1.0,
@@ -99,7 +107,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bf16 under fp32 queries, or FP8 (E4M3) holding K / k_scale and V / v_scale, widened in registers.
     Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
     lib = _lib_for(q)
-    if lib is None or q.dtype not in _DTYPES or not _cache_dtype_ok(q.dtype, k_cache.dtype):
+    if (lib is None or q.dtype not in _DTYPES or not _cache_dtype_ok(q.dtype, k_cache.dtype)
+            or not _layout_ok(k_cache, v_cache)):
         return None
     B, Hq, D = q.shape
     if q.stride(2) != 1 or q.stride(1) != D:  # each query's heads contiguous; the queries may be strided
@@ -137,12 +146,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
              k_shift: torch.Tensor | None = None) -> bool:
     """Store k/v [T, Hk, D] (rows may be strided) at their slots of k_cache [nb, Hk, D, bs] and
-    v_cache [nb, Hk, bs, D]; an FP8 cache gets (k - k_shift) / k_scale and v / v_scale converted as
-    kv_cache_dtype.quantize does, bit for bit (k_shift: fp32 [Hk * D] or None; FP8 caches only). False
-    when the native kernel does not apply."""
+    v_cache [nb, Hk, bs, D] (a bf16 cache's in pairs: layer.split_kv_cache); an FP8 cache gets
+    (k - k_shift) / k_scale and v / v_scale converted as kv_cache_dtype.quantize does, bit for bit
+    (k_shift: fp32 [Hk * D] or None; FP8 caches only). False when the native kernel does not apply."""
     lib = _lib_for(k)
     if (lib is None or k.dtype not in _DTYPES or k.dtype != v.dtype or not _cache_dtype_ok(k.dtype, k_cache.dtype)
-            or v_cache.dtype != k_cache.dtype or slot_mapping.dtype != torch.int64):
+            or v_cache.dtype != k_cache.dtype or slot_mapping.dtype != torch.int64 or not _layout_ok(k_cache, v_cache)):
         return False
     if k_shift is not None and (k_cache.dtype != torch.float8_e4m3fn or k_shift.dtype != torch.float32
                                 or not k_shift.is_contiguous() or k_shift.numel() != k.shape[1] * k.shape[2]):

@@ -122,23 +122,28 @@ template <int DT> static inline int64_t v_offset(int64_t t, int64_t d, int64_t b
 template <int DT> static inline int64_t k_offset(int64_t d, int64_t t, int64_t bs, int64_t D) {
   return k_pairs<DT>(D) ? (d & ~int64_t{1}) * bs + 2 * t + (d & 1) : d * bs + t;
 }
+// `rows` (even) bf16 rows of n values stored in pairs of rows (rows 2i and 2i + 1 interleaved value by value,
+// 2 n words a pair) as fp32 rows [rows][n]
+static void widen_pairs(const uint16_t* src, int64_t rows, int64_t n, float* dst) {
+  for (int64_t r = 0; r < rows; r += 2) {
+    const uint16_t* pairs = src + r * n;
+    float* even = dst + r * n;
+    float* odd = even + n;
+    int64_t i = 0;
+#if defined(TIDAL_VEC)
+    for (; i + W <= n; i += W) {
+      simd::store(even + i, simd::load_bf16_half<0>(pairs + 2 * i));
+      simd::store(odd + i, simd::load_bf16_half<1>(pairs + 2 * i));
+    }
+#endif
+    for (; i < n; ++i) even[i] = simd::bf16_to_float(pairs[2 * i]), odd[i] = simd::bf16_to_float(pairs[2 * i + 1]);
+  }
+}
+
 // One head's K block (from element `start`) as fp32 rows of dims, [D][bs] (a bf16 cache's pairs taken apart)
 template <int DT> static void widen_k_block(const void* k, int64_t start, int64_t D, int64_t bs, float* dst) {
   if (!k_pairs<DT>(D)) return widen<DT>(k, start, D * bs, dst);
-  const uint16_t* src = static_cast<const uint16_t*>(k) + start;
-  for (int64_t d = 0; d < D; d += 2) {
-    const uint16_t* pairs = src + d * bs;
-    float* even = dst + d * bs;
-    float* odd = even + bs;
-    int64_t t = 0;
-#if defined(TIDAL_VEC)
-    for (; t + W <= bs; t += W) {
-      simd::store(even + t, simd::load_bf16_half<0>(pairs + 2 * t));
-      simd::store(odd + t, simd::load_bf16_half<1>(pairs + 2 * t));
-    }
-#endif
-    for (; t < bs; ++t) even[t] = simd::bf16_to_float(pairs[2 * t]), odd[t] = simd::bf16_to_float(pairs[2 * t + 1]);
-  }
+  widen_pairs(static_cast<const uint16_t*>(k) + start, D, bs, dst);
 }
 
 #if defined(TIDAL_VEC)
@@ -157,20 +162,7 @@ template <int DT, int PAR> static inline vf load_v(const void* v, int64_t row, i
 // One head's V block (from element `start`) as fp32 rows of tokens, [bs][D] (a bf16 cache's pairs taken apart)
 template <int DT> static void widen_v_block(const void* v, int64_t start, int64_t D, int64_t bs, float* dst) {
   if (!v_pairs<DT>(bs)) return widen<DT>(v, start, D * bs, dst);
-  const uint16_t* src = static_cast<const uint16_t*>(v) + start;
-  for (int64_t t = 0; t < bs; t += 2) {
-    const uint16_t* pairs = src + t * D;
-    float* even = dst + t * D;
-    float* odd = even + D;
-    int64_t d = 0;
-#if defined(TIDAL_VEC)
-    for (; d + W <= D; d += W) {
-      simd::store(even + d, simd::load_bf16_half<0>(pairs + 2 * d));
-      simd::store(odd + d, simd::load_bf16_half<1>(pairs + 2 * d));
-    }
-#endif
-    for (; d < D; ++d) even[d] = simd::bf16_to_float(pairs[2 * d]), odd[d] = simd::bf16_to_float(pairs[2 * d + 1]);
-  }
+  widen_pairs(static_cast<const uint16_t*>(v) + start, bs, D, dst);
 }
 
 template <int DT>
@@ -425,13 +417,6 @@ static void accumulate_vec(const float* p, int64_t stride, const void* v_cache, 
     accumulate_pass<DT, G, C, C % CB>(p, stride, v_cache, table, t_begin, t_end, h, Hk, bs, acc, init, full);
 }
 
-// One decode query (G query heads per KV head) over every KV head of its request, block by block: each
-// step reads a run of consecutive blocks' K (then V) for all Hk heads before the next, so the request's
-// blocks, side by side when they were allocated together (a prompt's), stream from memory as one run
-// that the hardware prefetcher follows, instead of Hk runs of block-sized pieces strided by a block (one
-// per head item). Every score, probability and sum is the chain scores_vec, softmax_vec and
-// accumulate_vec compute (tokens in order, d in order, from zero): the same bits. qf: [Hk][G][D] scaled;
-// out: [Hk][G][D] fp32 rows.
 // One dim d (of parity PAR) of decode_heads' step for head h (its K at base[v] + head)
 template <int DT, int PAR, int G, int TV>
 [[gnu::always_inline]] static inline void heads_dim(const float* qh, int64_t D, const void* k_cache, const int64_t* base,
@@ -447,6 +432,13 @@ template <int DT, int PAR, int G, int TV>
   }
 }
 
+// One decode query (G query heads per KV head) over every KV head of its request, block by block: each
+// step reads a run of consecutive blocks' K (then V) for all Hk heads before the next, so the request's
+// blocks, side by side when they were allocated together (a prompt's), stream from memory as one run
+// that the hardware prefetcher follows, instead of Hk runs of block-sized pieces strided by a block (one
+// per head item). Every score, probability and sum is the chain scores_vec, softmax_vec and
+// accumulate_vec compute (tokens in order, d in order, from zero): the same bits. qf: [Hk][G][D] scaled;
+// out: [Hk][G][D] fp32 rows.
 template <int DT, int G, int C>
 static void decode_heads(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table, int64_t L,
                          int64_t Hk, int64_t bs, simd::avector<float>& work, float* out) {
