@@ -465,6 +465,23 @@ def test_silu_and_mul_matches_torch(isa, dtype):
         torch.testing.assert_close(native, reference, atol=1e-6, rtol=1e-5)
 
 
+def test_a_bf16_cache_not_in_its_paired_views_is_left_to_torch():
+    """The kernels read a bf16 cache's K and V in pairs: 4-D views of one (built by hand, not by
+    split_kv_cache) would be misread, so the native calls decline them and the torch path runs."""
+    nb, hk, bs, d = 4, 1, 16, 64
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=torch.bfloat16)
+    k_cache, v_cache = split_kv_cache(kv)
+    assert k_cache.dim() == 5 and v_cache.dim() == 5
+    plain_k, plain_v = kv[0].view(nb, hk, d, bs), kv[1]
+    k = v = torch.randn(1, hk, d).bfloat16()
+    slots = torch.tensor([3])
+    assert not cpu_kernels.write_kv(k, v, plain_k, plain_v, slots)
+    assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    q, tables, lens = torch.randn(1, 3, d).bfloat16(), torch.tensor([[0]]), torch.tensor([4])
+    assert cpu_kernels.paged_attention_decode(q, plain_k, plain_v, tables, lens, 0.125) is None
+    assert cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.125) is not None
+
+
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_garbage_past_a_length_never_reaches_the_output(isa, q_dtype):
     """A bf16 cache keeps V's tokens in pairs: a sequence of odd length ends on a pair whose partner slot may
