@@ -259,11 +259,6 @@ static void silu_and_mul(const void* x, void* out, int64_t T, int64_t d, int num
   }
 }
 
-// block_size a multiple of W: the scores of W consecutive tokens accumulate in one register. TV
-// registers of tokens (possibly of different blocks) per query head are in flight at once, so that
-// G * TV independent FMA chains hide the FMA latency and each broadcast query value serves TV vectors.
-// G (query heads per KV head) and C (head_dim / W) are template parameters so the accumulators stay
-// in registers. Tokens [t_begin, t_end) (t_begin a multiple of bs); row g's scores at scores + g * stride.
 // One dim d (of parity PAR) of scores_vec's step: acc[g][v] += q[g][d] * k[v][d]
 template <int DT, int PAR, int G, int TV>
 [[gnu::always_inline]] static inline void scores_dim(const float* qf, int64_t D, const void* k_cache,
@@ -279,6 +274,11 @@ template <int DT, int PAR, int G, int TV>
   }
 }
 
+// block_size a multiple of W: the scores of W consecutive tokens accumulate in one register. TV
+// registers of tokens (possibly of different blocks) per query head are in flight at once, so that
+// G * TV independent FMA chains hide the FMA latency and each broadcast query value serves TV vectors.
+// G (query heads per KV head) and C (head_dim / W) are template parameters so the accumulators stay
+// in registers. Tokens [t_begin, t_end) (t_begin a multiple of bs); row g's scores at scores + g * stride.
 template <int DT, int G, int C, int TV>
 static void scores_vec(const float* qf, const void* k_cache, const void* v_cache, const int64_t* table,
                        int64_t t_begin, int64_t t_end, int64_t stride, int64_t h, int64_t Hk, int64_t bs,
@@ -343,7 +343,6 @@ static void scores_vec(const float* qf, const void* k_cache, const void* v_cache
 
 constexpr int kVecRegs = W == 16 ? 32 : 16;  // vector registers: AVX-512's, AVX2's
 
-// One pass of accumulate_vec: vectors [c0, c0 + CN) of the head dim, all G rows' sums in registers.
 // One token t (of parity PAR, its row at `row`) of accumulate_pass: av[g][c] += p[g][t] * V[t][d0 + c W]
 template <int DT, int PAR, int G, int CN>
 [[gnu::always_inline]] static inline void acc_token(const float* p, int64_t stride, int64_t t, const void* v_cache,
@@ -371,6 +370,7 @@ template <int DT, int PAR, int G, int CN>
   }
 }
 
+// One pass of accumulate_vec: vectors [c0, c0 + CN) of the head dim, all G rows' sums in registers.
 template <int DT, int G, int C, int CN>
 static void accumulate_pass(const float* p, int64_t stride, const void* v_cache, const int64_t* table, int64_t t_begin,
                             int64_t t_end, int64_t h, int64_t Hk, int64_t bs, float* acc, bool init, int c0) {
