@@ -465,6 +465,30 @@ def test_silu_and_mul_matches_torch(isa, dtype):
         torch.testing.assert_close(native, reference, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bs,d", [(1, 64), (3, 64), (3, 31), (8, 64), (32, 64)])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_cache_pairs_at_any_block_size_and_head_dim(isa, bs, d, q_dtype):
+    """A bf16 cache pairs V's tokens only where block_size is even and K's dims only where head_dim is
+    even: the kernels read every mix of paired and plain blocks as the torch path does."""
+    torch.manual_seed(bs * 100 + d)
+    nb, hk, hq = 160, 2, 6
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=torch.bfloat16)
+    k_cache, v_cache = split_kv_cache(kv)
+    assert (k_cache.dim() == 5) == (d % 2 == 0) and (v_cache.dim() == 5) == (bs % 2 == 0)
+    lens = torch.tensor([5, 37, 50])
+    per = -(-50 // bs)
+    tables = torch.randperm(nb)[:3 * per].view(3, per)
+    for r in range(3):
+        t = torch.arange(int(lens[r]))
+        slots = tables[r, t // bs] * bs + t % bs
+        assert cpu_kernels.write_kv(torch.randn(len(t), hk, d).bfloat16(), torch.randn(len(t), hk, d).bfloat16(),
+                                    k_cache, v_cache, slots)
+    q = torch.randn(3, hq, d).to(q_dtype)
+    out = cpu_kernels.paged_attention_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)
+    ref = decode_attention(q.float(), k_cache, v_cache, tables, lens, 50, d ** -0.5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 if q_dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
 def test_a_bf16_cache_not_in_its_paired_views_is_left_to_torch():
     """The kernels read a bf16 cache's K and V in pairs: 4-D views of one (built by hand, not by
     split_kv_cache) would be misread, so the native calls decline them and the torch path runs."""
