@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tidal.layers import quant_kernels
+from tidal.layers.attention.kv_cache_dtype import paired
 from tidal.native import NativeLibrary, cpu_isa
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -91,11 +92,11 @@ def _cache_dtype_ok(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
 
 
 def _layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The kernels read a bf16 cache in pairs (attention/layer.py): its K view 5-D where head_dim is even, its
-    V view 5-D where block_size is even, as split_kv_cache gives them; other caches 4-D."""
-    if k_cache.dtype != torch.bfloat16:
-        return k_cache.dim() == 4 and v_cache.dim() == 4
-    return (k_cache.dim() == 5) == (v_cache.shape[-1] % 2 == 0) and (v_cache.dim() == 5) == (k_cache.shape[-1] % 2 == 0)
+    """The kernels read a paired cache in pairs (kv_cache_dtype.paired): its K and V views must be the 5-D ones
+    split_kv_cache gives where they pair, 4-D where they do not."""
+    head_dim, block_size = v_cache.shape[-1], k_cache.shape[-1]
+    return (k_cache.dim() == (5 if paired(k_cache, head_dim) else 4)
+            and v_cache.dim() == (5 if paired(v_cache, block_size) else 4))
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -48,6 +48,12 @@ def describe_kv_cache_dtype(dtype: torch.dtype) -> str:
     return "fp8_e4m3" if dtype == FP8 else str(dtype).removeprefix("torch.")
 
 
+def paired(cache: torch.Tensor, n: int) -> bool:
+    """Whether the cache keeps its values in pairs along a dimension of size n (head_dim for K, block_size
+    for V: attention/layer.py): a bf16 cache on a CPU, n even. The CPU kernels read such a cache so."""
+    return cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and n % 2 == 0
+
+
 def storage(cache: torch.Tensor) -> torch.Tensor:
     """The cache as it is indexed: an FP8 cache as its bytes (gathers and scatters of uint8 run on every
     device and torch version; those of float8 not everywhere)."""

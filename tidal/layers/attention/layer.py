@@ -23,7 +23,7 @@ from torch import nn
 
 from tidal.forward_context import get_forward_context
 from tidal.layers import cpu_kernels
-from tidal.layers.attention.kv_cache_dtype import read_blocks, write_slots
+from tidal.layers.attention.kv_cache_dtype import paired, read_blocks, write_slots
 
 
 class Attention(nn.Module):
@@ -63,21 +63,16 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
     return (2, num_blocks, num_kv_heads, block_size, head_dim)
 
 
-def _pairs(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu"
-
-
 def split_kv_cache(kv_cache: torch.Tensor):
     """-> K [num_blocks, Hk, D, block_size] (transposed blocks), V [num_blocks, Hk, block_size, D]; a bf16 CPU
     cache's K [num_blocks, Hk, D / 2, 2, block_size] where D is even and V [num_blocks, Hk, block_size / 2, 2,
     D] where block_size is even (pairs: module docstring)."""
     _, num_blocks, hk, block_size, d = kv_cache.shape
-    pairs = _pairs(kv_cache)
-    if pairs and d % 2 == 0:
+    if paired(kv_cache, d):
         k = kv_cache[0].view(num_blocks, hk, d // 2, block_size, 2).transpose(3, 4)
     else:
         k = kv_cache[0].view(num_blocks, hk, d, block_size)
-    if pairs and block_size % 2 == 0:
+    if paired(kv_cache, block_size):
         v = kv_cache[1].view(num_blocks, hk, block_size // 2, d, 2).transpose(3, 4)
     else:
         v = kv_cache[1]

@@ -604,9 +604,6 @@ TIDAL_AMX_TARGET static void scores_bf16_amx(const uint16_t* qb, float scale, co
   _tile_release();
 }
 
-#endif
-
-#if defined(__AVX512BF16__)
 // bf16 cache: the dot products run on VDPBF16PS (pairs of bf16 products accumulated in fp32, twice
 // the work of an fp32 FMA per instruction). Scores: q . k with q, k in bf16 (exact products), then
 // scaled. The cache's (dim 2p, dim 2p + 1) pairs of 16 tokens are one 512-bit load. Tokens and rows as in
