@@ -288,3 +288,69 @@ def test_the_collector_is_paused_while_the_engine_starts_and_left_as_it_was(tiny
         assert seen == [False, False] and gc.isenabled() is enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def _resident_pages(t) -> tuple[int, int]:
+    """(resident, all) pages of the host memory under a contiguous CPU tensor (mincore)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    end = t.data_ptr() + t.numel() * t.element_size()
+    n = -(-(end - start) // page)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), n
+
+
+def _kernel_before_5_14() -> bool:
+    import platform
+    import re
+    release = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
+    return not platform.system() == "Linux" or release < (5, 14)
+
+
+def test_commit_pages_faults_in_every_page_and_keeps_what_was_written():
+    import torch
+
+    from tidal.device import commit_pages, lazy_zeros
+    t = lazy_zeros((4 << 20,), torch.uint8, "cpu")
+    t[:100] = 7
+    t[-1] = 9
+    resident, total = _resident_pages(t)
+    assert resident < total  # the untouched pages are not committed yet
+    if not commit_pages(t):  # only a kernel without MADV_POPULATE_WRITE may refuse, and it changes nothing
+        assert _kernel_before_5_14() and _resident_pages(t)[0] == resident
+        return
+    assert _resident_pages(t) == (total, total)
+    assert t[:100].eq(7).all() and t[-1] == 9 and t[100:-1].eq(0).all()
+
+
+def test_commit_kv_cache_commits_every_layers_cache_and_changes_no_output(tiny_model_dir):
+    prompts = random_prompts(4, 5, 40, 512, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    lazy = tiny_llm(tiny_model_dir("llama"))
+    caches = [a.kv_cache for a in lazy.llm_engine.runner.attn_layers]
+    assert all(_resident_pages(c)[0] < _resident_pages(c)[1] for c in caches)  # left to the first writes
+    expected = [o.outputs[0].token_ids for o in lazy.generate(prompts, params, use_tqdm=False)]
+    with tidal_log() as records:
+        committed = tiny_llm(tiny_model_dir("llama"), commit_kv_cache=True)
+    caches = [a.kv_cache for a in committed.llm_engine.runner.attn_layers]
+    if _kernel_before_5_14():
+        assert any(r.levelno == logging.WARNING and "not committed" in r.getMessage() for r in records)
+    else:
+        assert all(_resident(c) for c in caches)
+        assert any("KV cache memory committed" in r.getMessage() for r in records)
+    assert [o.outputs[0].token_ids for o in committed.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def _resident(t) -> bool:
+    resident, total = _resident_pages(t)
+    return resident == total
+
+
+def test_commit_kv_cache_must_be_a_bool(tiny_model_dir):
+    with pytest.raises(ValueError, match="commit_kv_cache must be True or False, got 'yes'"):
+        tiny_llm(tiny_model_dir("llama"), commit_kv_cache="yes")

@@ -8,8 +8,10 @@ drain its queue before the forward starts; on CPU it is the tensor itself.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import sys
 
 import torch
 
@@ -52,6 +54,25 @@ def lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> 
         # private mapping, which always gets them, measured slower: docs/cpu.md, "Start-up")
         buf.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+
+
+def commit_pages(t: torch.Tensor) -> bool:
+    """Fault in now, writable, every page of the host memory under a contiguous CPU tensor (one of
+    lazy_zeros'), leaving its contents as they are: madvise(MADV_POPULATE_WRITE). The kernel's page
+    clearing then happens here instead of in the first writes. False where the kernel cannot (before
+    Linux 5.14, or not Linux): the pages are left to be committed as they are written."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or not sys.platform.startswith("linux"):
+        return False
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    end = t.data_ptr() + t.numel() * t.element_size()
+    libc = ctypes.CDLL(None, use_errno=True)  # the call releases the GIL: threads commit tensors in parallel
+    madvise = libc.madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
 class HostCopy:

@@ -158,6 +158,8 @@ class LLMEngine:
             plan.num_blocks = max(plan.num_blocks,  # so they must never be what runs out
                                   state_pool.num_slots * -(-self.max_model_len // config.block_size))
         self.runner.allocate_kv_cache(plan.num_blocks)
+        if config.commit_kv_cache and config.device == "cpu":
+            self._commit_kv_cache(plan.num_bytes)
         if (capture := getattr(self.runner, "capture_decode_graphs", None)) is not None:  # CUDA graphs (a runner's)
             capture()
         self.kv_plan = plan
@@ -201,6 +203,16 @@ class LLMEngine:
                     plan.num_tokens / self.max_model_len)
 
     # -- setup helpers ---------------------------------------------------------------------------
+    def _commit_kv_cache(self, num_bytes: int) -> None:
+        """commit_kv_cache: the KV cache's memory faulted in now, not in the steps that first write it."""
+        t = time.perf_counter()
+        committed = self.runner.commit_kv_cache()
+        if committed:
+            logger.info("KV cache memory committed: %.1f MiB in %.2f s (--no-commit-kv-cache: as requests first "
+                        "write it instead)", committed / 2**20, time.perf_counter() - t)
+        elif num_bytes:
+            logger.warning("KV cache memory not committed at start-up: this kernel cannot fault pages in ahead "
+                           "(MADV_POPULATE_WRITE, Linux 5.14); they are committed as requests first write them")
     def _log_accepted_flags(self) -> None:
         """Flags accepted for vLLM compatibility whose effect is nil here: say so once."""
         if self.config.trust_remote_code:

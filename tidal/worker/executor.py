@@ -147,6 +147,10 @@ class Executor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
 
+    def commit_kv_cache(self) -> int:
+        """ModelRunner.commit_kv_cache on every rank: the bytes committed, all ranks together."""
+        raise NotImplementedError
+
     def state_bytes_per_request(self) -> int:
         """Mamba state bytes one running request needs (on the rank that needs most)."""
         raise NotImplementedError
@@ -176,6 +180,9 @@ class UniProcExecutor(Executor):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+
+    def commit_kv_cache(self) -> int:
+        return self.runner.commit_kv_cache()
 
     def state_bytes_per_request(self) -> int:
         return self.runner.state_bytes_per_request()
@@ -391,6 +398,9 @@ class MultiprocExecutor(Executor):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", (num_blocks,))
+
+    def commit_kv_cache(self) -> int:
+        return sum(self._call("commit_kv_cache", ()))
 
     def state_bytes_per_request(self) -> int:
         return max(self._call("state_bytes_per_request", ()))  # every rank gets the same number of slots

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
-from tidal.device import HostCopy, lazy_zeros, to_device
+from tidal.device import HostCopy, commit_pages, lazy_zeros, to_device
 from tidal.forward_context import ForwardContext, set_forward_context
 from tidal.layers.attention import Attention
 from tidal.layers.attention.kv_cache_dtype import FP8, describe_kv_cache_dtype, kv_cache_torch_dtype
@@ -241,6 +241,18 @@ class ModelRunner:
         for a in self.attn_layers:
             a.kv_cache = lazy_zeros(kv_cache_shape(total, self.block_size, a.num_kv_heads, a.head_dim),
                                     self.kv_cache_dtype, self.device)
+
+    def commit_kv_cache(self) -> int:
+        """On CPU, commit the KV cache's memory now (device.commit_pages: a thread per core, a layer's cache
+        at a time each), so that no step pays the page faults of its first writes: the bytes committed (0 on
+        CUDA, or where the kernel cannot)."""
+        caches = [a.kv_cache for a in self.attn_layers if a.kv_cache is not None] if self.device.type == "cpu" else []
+        if not caches:
+            return 0
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(caches)))) as pool:
+            done = list(pool.map(commit_pages, caches))
+        return sum(c.numel() * c.element_size() for c, ok in zip(caches, done) if ok)
 
     def capture_decode_graphs(self) -> None:
         """Capture the decode graphs over the KV cache just allocated (nothing where graphs do not apply)."""

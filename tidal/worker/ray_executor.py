@@ -125,6 +125,9 @@ class RayExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)
 
+    def commit_kv_cache(self) -> int:
+        return sum(self._call("commit_kv_cache"))
+
     def state_bytes_per_request(self) -> int:
         return max(self._call("state_bytes_per_request"))
 

@@ -118,6 +118,9 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
+    def commit_kv_cache(self) -> int:
+        return self.runner.commit_kv_cache()
+
     def state_bytes_per_request(self) -> int:
         return self.runner.state_bytes_per_request()
 
