@@ -150,16 +150,6 @@ def test_every_engine_flag_sets_its_engine_config_field(monkeypatch):
         assert {k: v for k, v in got.items() if k != field} == {k: v for k, v in default.items() if k != field}, flag
 
 
-def test_the_kv_cache_is_committed_at_start_up_by_default_for_serve_only():
-    from tidal.entrypoints import engine_args
-    parser = add_engine_args(argparse.ArgumentParser())
-    assert engine_args.engine_config_from_args(parser.parse_args([]), server=True).commit_kv_cache is True
-    assert engine_args.engine_config_from_args(parser.parse_args([])).commit_kv_cache is False
-    off = parser.parse_args(["--no-commit-kv-cache"])
-    assert engine_args.engine_config_from_args(off, server=True).commit_kv_cache is False
-    assert engine_args.engine_config_from_args(parser.parse_args(["--commit-kv-cache"])).commit_kv_cache is True
-
-
 def test_max_num_seqs_defaults_to_vllms_cpu_server_value_for_serve_only():
     from tidal.entrypoints import engine_args
     parser = add_engine_args(argparse.ArgumentParser())

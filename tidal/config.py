@@ -48,7 +48,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     # on a CPU, commit the KV cache's memory at start-up (every page faulted in before the first request)
-    # rather than page by page as requests first write it, inside their steps; `tidal serve`'s default
+    # rather than page by page as requests first write it, inside their steps
     commit_kv_cache: bool = False
     enable_prefix_caching: bool = True
     # False: a prompt is computed whole in one step (never split across steps), which needs

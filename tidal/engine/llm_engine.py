@@ -208,8 +208,7 @@ class LLMEngine:
         t = time.perf_counter()
         committed = self.runner.commit_kv_cache()
         if committed:
-            logger.info("KV cache memory committed: %.1f MiB in %.2f s (--no-commit-kv-cache: as requests first "
-                        "write it instead)", committed / 2**20, time.perf_counter() - t)
+            logger.info("KV cache memory committed: %.1f MiB in %.2f s", committed / 2**20, time.perf_counter() - t)
         elif num_bytes:
             logger.warning("KV cache memory not committed at start-up: this kernel cannot fault pages in ahead "
                            "(MADV_POPULATE_WRITE, Linux 5.14); they are committed as requests first write them")

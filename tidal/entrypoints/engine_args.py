@@ -48,10 +48,10 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache size in bytes (default on CPU: min(4 GiB, half the free memory); "
                         "on CUDA: from --gpu-memory-utilization)")
-    _bool_flag(g, "commit-kv-cache", None,
-               "on a CPU, commit the KV cache's memory at start-up (seconds for a few GiB) rather than page by page "
-               "as requests first write it, which costs those requests' steps a page fault per 4 KiB (default: on "
-               "for `tidal serve`, off elsewhere)")
+    _bool_flag(g, "commit-kv-cache", False,
+               "on a CPU, commit the KV cache's memory at start-up (seconds for a few GiB, as vLLM-CPU does) rather "
+               "than page by page as requests first write it, which costs those requests' steps a page fault per "
+               "4 KiB (default off)")
     _bool_flag(g, "enable-prefix-caching", True, "reuse the KV of repeated prompt prefixes (default on)")
     _bool_flag(g, "enable-chunked-prefill", True,
                "split a prompt longer than a step's token budget across steps (default on); off: each prompt is "
@@ -129,7 +129,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None = None, 
         max_model_len=args.max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
-        commit_kv_cache=server if args.commit_kv_cache is None else args.commit_kv_cache,
+        commit_kv_cache=args.commit_kv_cache,
         enable_chunked_prefill=args.enable_chunked_prefill, seed=args.seed, enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, quantization=args.quantization,
