@@ -90,9 +90,10 @@ def pp2_tied(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_pp2_mqa(tmp_path_factory):
-    # one KV head for two tensor-parallel ranks: replicated; four layers over two stages
+    # one KV head for two tensor-parallel ranks: replicated; four layers over two stages; every rank warms up
+    # (one forward through both stages) and commits its KV cache at start-up
     h = _Holder(_model(tmp_path_factory, "mqa", num_key_value_heads=1, num_hidden_layers=4),
-                tensor_parallel_size=2, pipeline_parallel_size=2)
+                tensor_parallel_size=2, pipeline_parallel_size=2, commit_kv_cache=True)
     yield h
     h.close()
 
@@ -238,6 +239,10 @@ def test_tp2_pp2_replicated_kv_heads_matches_single_process(tp2_pp2_mqa):
     assert [(i.tp_rank, i.pp_rank, i.layers) for i in infos] == [(0, 0, (0, 2)), (1, 0, (0, 2)),
                                                                  (0, 1, (2, 4)), (1, 1, (2, 4))]
     assert {i.tp_all_reduce for i in infos} == {"shared memory"}  # one segment per stage's group
+    # each of the 4 ranks committed its 2 layers' caches (K and V of 1 head of 16 dims, fp32, per token)
+    engine = tp2_pp2_mqa.llm.llm_engine
+    per_rank = engine.kv_plan.num_blocks * engine.kv_plan.block_size * 2 * 2 * 16 * 4
+    assert engine.executor.commit_kv_cache() == 4 * per_rank
     _assert_same(tp2_pp2_mqa.ref, _generate(tp2_pp2_mqa.llm))
 
 

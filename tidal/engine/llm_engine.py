@@ -152,14 +152,19 @@ class LLMEngine:
         if budget is None:  # measured now that the weights are loaded (on CUDA, after a profiling forward)
             budget = self.runner.cache_budget_bytes(config.gpu_memory_utilization, self.max_num_batched_tokens,
                                                     config.max_num_seqs, self.max_model_len)
+        warm_s = None
+        if config.commit_kv_cache and config.device == "cpu":  # before the cache and state exist (it replaces them)
+            t = time.perf_counter()
+            self.runner.warm_up(self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
+            warm_s = time.perf_counter() - t
         state_pool, checkpoints, kv_budget = self._plan_state(budget)
         plan = plan_kv_cache(self.runner.kv_bytes_per_token(), config.block_size, self.max_model_len, kv_budget)
         if state_pool is not None and not plan.bytes_per_token:  # no attention: blocks are bookkeeping only,
             plan.num_blocks = max(plan.num_blocks,  # so they must never be what runs out
                                   state_pool.num_slots * -(-self.max_model_len // config.block_size))
         self.runner.allocate_kv_cache(plan.num_blocks)
-        if config.commit_kv_cache and config.device == "cpu":
-            self._commit_kv_cache(plan.num_bytes)
+        if warm_s is not None:
+            self._commit_kv_cache(plan.num_bytes, warm_s)
         if (capture := getattr(self.runner, "capture_decode_graphs", None)) is not None:  # CUDA graphs (a runner's)
             capture()
         self.kv_plan = plan
@@ -203,12 +208,14 @@ class LLMEngine:
                     plan.num_tokens / self.max_model_len)
 
     # -- setup helpers ---------------------------------------------------------------------------
-    def _commit_kv_cache(self, num_bytes: int) -> None:
-        """commit_kv_cache: the KV cache's memory faulted in now, not in the steps that first write it."""
+    def _commit_kv_cache(self, num_bytes: int, warm_s: float) -> None:
+        """commit_kv_cache: the KV cache's memory faulted in now, not in the steps that first write it (and,
+        before it, warm_s seconds of a warm-up forward as large as a step)."""
         t = time.perf_counter()
         committed = self.runner.commit_kv_cache()
         if committed:
-            logger.info("KV cache memory committed: %.1f MiB in %.2f s", committed / 2**20, time.perf_counter() - t)
+            logger.info("KV cache memory committed: %.1f MiB in %.2f s (after a %d-token warm-up forward: %.2f s)",
+                        committed / 2**20, time.perf_counter() - t, self.max_num_batched_tokens, warm_s)
         elif num_bytes:
             logger.warning("KV cache memory not committed at start-up: this kernel cannot fault pages in ahead "
                            "(MADV_POPULATE_WRITE, Linux 5.14); they are committed as requests first write them")

@@ -151,6 +151,10 @@ class Executor:
         """ModelRunner.commit_kv_cache on every rank: the bytes committed, all ranks together."""
         raise NotImplementedError
 
+    def warm_up(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+        """ModelRunner.warm_up on every rank at once (before the KV cache and state are allocated)."""
+        raise NotImplementedError
+
     def state_bytes_per_request(self) -> int:
         """Mamba state bytes one running request needs (on the rank that needs most)."""
         raise NotImplementedError
@@ -183,6 +187,9 @@ class UniProcExecutor(Executor):
 
     def commit_kv_cache(self) -> int:
         return self.runner.commit_kv_cache()
+
+    def warm_up(self, *args) -> None:
+        self.runner.warm_up(*args)
 
     def state_bytes_per_request(self) -> int:
         return self.runner.state_bytes_per_request()
@@ -401,6 +408,9 @@ class MultiprocExecutor(Executor):
 
     def commit_kv_cache(self) -> int:
         return sum(self._call("commit_kv_cache", ()))
+
+    def warm_up(self, *args) -> None:
+        self._call("warm_up", args, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s))
 
     def state_bytes_per_request(self) -> int:
         return max(self._call("state_bytes_per_request", ()))  # every rank gets the same number of slots

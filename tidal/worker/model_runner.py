@@ -242,6 +242,13 @@ class ModelRunner:
             a.kv_cache = lazy_zeros(kv_cache_shape(total, self.block_size, a.num_kv_heads, a.head_dim),
                                     self.kv_cache_dtype, self.device)
 
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int, num_seqs: int, max_model_len: int, compute_logits: bool = True) -> None:
+        """profile_run's forward, as a start-up warm-up before the cache and state exist: the buffers of a
+        step of num_tokens written once, so that the first such step of the requests does not write them
+        first (on the AMX Xeon guest that first step took ~100 ms longer)."""
+        self.profile_run(num_tokens, num_seqs, max_model_len, compute_logits)
+
     def commit_kv_cache(self) -> int:
         """On CPU, commit the KV cache's memory now (device.commit_pages: a thread per core, a layer's cache
         at a time each), so that no step pays the page faults of its first writes: the bytes committed (0 on

@@ -128,6 +128,9 @@ class RayExecutor(Executor):
     def commit_kv_cache(self) -> int:
         return sum(self._call("commit_kv_cache"))
 
+    def warm_up(self, *args) -> None:
+        self._call("warm_up", *args, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s))
+
     def state_bytes_per_request(self) -> int:
         return max(self._call("state_bytes_per_request"))
 

@@ -121,6 +121,14 @@ class Worker:
     def commit_kv_cache(self) -> int:
         return self.runner.commit_kv_cache()
 
+    def warm_up(self, num_tokens: int, num_seqs: int, max_model_len: int) -> None:
+        """Every rank at once (the forward's collectives need them all); see ModelRunner."""
+        from tidal.distributed import wait_pp_sends
+        try:
+            self.runner.warm_up(num_tokens, num_seqs, max_model_len, compute_logits=self.is_last_stage)
+        finally:
+            wait_pp_sends()
+
     def state_bytes_per_request(self) -> int:
         return self.runner.state_bytes_per_request()
 
