@@ -355,3 +355,14 @@ def _resident(t) -> bool:
 def test_commit_kv_cache_must_be_a_bool(tiny_model_dir):
     with pytest.raises(ValueError, match="commit_kv_cache must be True or False, got 'yes'"):
         tiny_llm(tiny_model_dir("llama"), commit_kv_cache="yes")
+
+
+def test_commit_kv_cache_on_cuda_says_it_has_no_effect_there():
+    from types import SimpleNamespace
+
+    from tidal.engine.llm_engine import LLMEngine
+    config = SimpleNamespace(trust_remote_code=False, device="cuda", gpu_memory_utilization=0.9, commit_kv_cache=True)
+    with tidal_log() as records:
+        LLMEngine._log_accepted_flags(SimpleNamespace(config=config))
+    assert any(r.levelno == logging.WARNING and "commit_kv_cache has no effect on cuda" in r.getMessage()
+               for r in records)

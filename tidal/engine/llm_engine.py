@@ -219,6 +219,7 @@ class LLMEngine:
         elif num_bytes:
             logger.warning("KV cache memory not committed at start-up: this kernel cannot fault pages in ahead "
                            "(MADV_POPULATE_WRITE, Linux 5.14); they are committed as requests first write them")
+
     def _log_accepted_flags(self) -> None:
         """Flags accepted for vLLM compatibility whose effect is nil here: say so once."""
         if self.config.trust_remote_code:
@@ -227,6 +228,9 @@ class LLMEngine:
         if self.config.device == "cpu" and self.config.gpu_memory_utilization != 0.9:
             logger.warning("gpu_memory_utilization %s has no effect on CPU: the KV cache gets min(4 GiB, half the "
                            "free memory); set kv_cache_memory_bytes to size it", self.config.gpu_memory_utilization)
+        if self.config.device != "cpu" and self.config.commit_kv_cache:
+            logger.warning("commit_kv_cache has no effect on %s: the KV cache's memory is allocated whole at "
+                           "start-up there; it commits a CPU cache", self.config.device)
 
     def _max_num_batched_tokens(self) -> int:
         """The token budget of a step: as given, else max(base, max_num_seqs), base being vLLM's default on

@@ -407,7 +407,7 @@ class MultiprocExecutor(Executor):
         self._call("allocate_kv_cache", (num_blocks,))
 
     def commit_kv_cache(self) -> int:
-        return sum(self._call("commit_kv_cache", ()))
+        return sum(self._call("commit_kv_cache", (), timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s)))
 
     def warm_up(self, *args) -> None:
         self._call("warm_up", args, timeout_s=max(_INIT_TIMEOUT_S, self.timeout_s))
