@@ -15,6 +15,18 @@ TINY_COMMON = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "
                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
+def load_benchmark(name: str):
+    """A script of benchmarks/ (not a package) loaded as a module: load_benchmark("perplexity"),
+    load_benchmark("peers/make_q8_0_gguf")."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_config(arch: str, **overrides):
     import transformers
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,

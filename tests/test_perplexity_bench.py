@@ -2,26 +2,14 @@
 benchmarks/peers/make_q8_0_gguf.py's Q/K layout, on tiny models (a second or two)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import hf_model, hf_prompt_logprobs, random_prompts, tiny_llm
+from tests.helpers import hf_model, hf_prompt_logprobs, load_benchmark, random_prompts, tiny_llm
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-perplexity = _load(BENCH / "perplexity.py")
+perplexity = load_benchmark("perplexity")
 
 
 @pytest.mark.parametrize("num_tokens,window,stride", [(1, 8, 4), (8, 8, 4), (9, 8, 4), (100, 32, 16),
@@ -59,7 +47,7 @@ def test_perplexity_equals_transformers_on_the_same_windows(tiny_model_dir):
 def test_gguf_qk_permutation_inverts_the_loaders():
     pytest.importorskip("gguf")
     from tidal.loader.gguf_loader import unpermute_qk
-    make_gguf = _load(BENCH / "peers" / "make_q8_0_gguf.py")
+    make_gguf = load_benchmark("peers/make_q8_0_gguf")
     w = torch.randn(3 * 64, 40)  # 3 heads of 64 rows
     assert torch.equal(torch.from_numpy(make_gguf.permute_qk(unpermute_qk(w, 3).numpy(), 3)), w)
     assert not torch.equal(unpermute_qk(w, 3), w)

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.helpers import load_benchmark
 
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-serve_sweep = _load(BENCH / "serve_sweep.py")
+serve_sweep = load_benchmark("serve_sweep")
 
 
 def _result(tok_s: float, ms: float) -> dict:
