@@ -152,8 +152,8 @@ class LLMEngine:
         if budget is None:  # measured now that the weights are loaded (on CUDA, after a profiling forward)
             budget = self.runner.cache_budget_bytes(config.gpu_memory_utilization, self.max_num_batched_tokens,
                                                     config.max_num_seqs, self.max_model_len)
-        warm_s = None
-        if config.commit_kv_cache and config.device == "cpu":  # before the cache and state exist (it replaces them)
+        commit = config.commit_kv_cache and config.device == "cpu"
+        if commit:  # the warm-up forward before the cache and state exist (it replaces them)
             t = time.perf_counter()
             self.runner.warm_up(self.max_num_batched_tokens, config.max_num_seqs, self.max_model_len)
             warm_s = time.perf_counter() - t
@@ -163,7 +163,7 @@ class LLMEngine:
             plan.num_blocks = max(plan.num_blocks,  # so they must never be what runs out
                                   state_pool.num_slots * -(-self.max_model_len // config.block_size))
         self.runner.allocate_kv_cache(plan.num_blocks)
-        if warm_s is not None:
+        if commit:
             self._commit_kv_cache(plan.num_bytes, warm_s)
         if (capture := getattr(self.runner, "capture_decode_graphs", None)) is not None:  # CUDA graphs (a runner's)
             capture()

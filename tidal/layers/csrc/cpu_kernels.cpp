@@ -387,10 +387,10 @@ static void accumulate_pass(const float* p, int64_t stride, const void* v_cache,
     if (c0 == 0 && start + bs < t_end)
       prefetch_bytes(static_cast<const char*>(v_cache) + (table[start / bs + 1] * Hk + h) * chunk_bytes, chunk_bytes);
     for (int64_t off = 0; off < n; off += 2) {  // (bs is a multiple of W: even)
-      const int64_t row = block_base + v_row<DT>(off, bs, D);
-      acc_token<DT, 0, G, CN>(p, stride, start + off, v_cache, row, c0 * W, av);
+      acc_token<DT, 0, G, CN>(p, stride, start + off, v_cache, block_base + v_row<DT>(off, bs, D), c0 * W, av);
       if (off + 1 < n)  // (the pair's row where v_pairs, the next row otherwise)
-        acc_token<DT, 1, G, CN>(p, stride, start + off + 1, v_cache, row + (DT == kBF16 ? 0 : D), c0 * W, av);
+        acc_token<DT, 1, G, CN>(p, stride, start + off + 1, v_cache, block_base + v_row<DT>(off + 1, bs, D), c0 * W,
+                                av);
     }
   }
   #pragma GCC unroll 16
