@@ -282,3 +282,44 @@ def test_tokenizer_chat_template_and_end_tokens_from_the_file(cache_dir, quantiz
     assert tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == text
     assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
     assert out.prompt_token_ids[0] == 1 and tok.decode(out.prompt_token_ids) == text  # control tokens whole
+
+
+def test_conversions_are_keyed_by_content_and_stale_ones_removed(cache_dir, monkeypatch):
+    """The same file installed again (another path, another mtime: a new virtual environment) reuses its
+    conversion instead of writing another 517 MB one (the default model); a later load does not hash the file
+    again; a changed file gets its own; folders of the former size-and-mtime key and of another conversion
+    version are removed with the next conversion, other files' current ones kept."""
+    import hashlib
+    import shutil
+
+    from tidal.loader import gguf_loader
+    model = make_hf_model("llama", {}, fp16_exact=False)
+    path = write_like_llama_cpp(model, str(cache_dir / "tiny.gguf"), "llama", "Tiny", "F32")
+    parent = cache_dir / "cache" / "gguf"
+    parent.mkdir()
+    legacy = parent / "tiny-98362432-1796457000-v2"
+    old_version = parent / f"tiny-{'0' * 20}-v1"
+    other = parent / f"other-{'a' * 20}-v{gguf_loader._CONVERSION_VERSION}"
+    for folder in (legacy, old_version, other):
+        folder.mkdir()
+    (parent / "tiny-98362432-1796457000-v2.tensors.json").write_text("[]")
+
+    first = gguf_loader.cached_conversion(path)
+    assert os.path.exists(os.path.join(first, "model.safetensors"))
+    assert sorted(os.listdir(parent)) == sorted([os.path.basename(first), other.name])
+
+    copy = cache_dir / "venv2" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(path, copy)  # a new mtime and inode, the same bytes
+    os.utime(copy, (1e9, 1e9))
+    with monkeypatch.context() as m:
+        m.setattr(gguf_loader, "convert_gguf", lambda *a, **k: pytest.fail("converted again"))
+        assert gguf_loader.cached_conversion(str(copy)) == first
+        m.setattr(hashlib, "file_digest", lambda *a, **k: pytest.fail("hashed again"))
+        assert gguf_loader.cached_conversion(path) == first  # remembered by path, size, mtime and inode
+
+    with open(copy, "r+b") as f:  # the copy changed: its own conversion
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x01\x02\x03\x04")
+    changed = gguf_loader.cached_conversion(str(copy))
+    assert changed != first and os.path.exists(first) and os.path.exists(changed)

@@ -240,20 +240,77 @@ def convert_gguf(path: str, out_dir: str, weights: bool = True) -> str:
 # and end-of-turn ids read), so that folders converted by an older Tidal are not reused
 _CONVERSION_VERSION = 2
 
+# the name of a folder this Tidal reads: the file's name, 20 hex digits of its sha256 and the version
+_CURRENT_NAME = re.compile(rf"-[0-9a-f]{{20}}-v{_CONVERSION_VERSION}$")
+
+
+def _cache_root() -> str:
+    return os.environ.get("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal"))
+
+
+def content_digest(path: str) -> str:
+    """The sha256 of a file's bytes (hex), hashed once per file: remembered in the cache under the file's
+    real path with its size, mtime and inode, so a later load only stats the file (the default model: 98 MB
+    hashed in ~0.1 s). Content, not the file's name and mtime, keys the conversions, so the same file
+    installed again (a new virtual environment, a reinstalled wheel) reuses its conversion."""
+    import hashlib
+
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    stamp = [real, st.st_size, st.st_mtime_ns, st.st_ino]
+    memo = os.path.join(_cache_root(), "digests", hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
+    try:
+        with open(memo) as f:
+            known = json.load(f)
+        if known["stamp"] == stamp:
+            return known["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    with open(real, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        tmp = f"{memo}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"stamp": stamp, "sha256": digest}, f)
+        os.replace(tmp, memo)
+    except OSError:  # a read-only cache: hashed again next time
+        pass
+    return digest
+
 
 def _cache_folder(path: str, kind: str) -> str:
-    st = os.stat(path)
-    root = os.environ.get("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal"))
-    name = f"{os.path.basename(path).removesuffix('.gguf')}-{st.st_size}-{int(st.st_mtime)}-v{_CONVERSION_VERSION}"
-    return os.path.join(root, kind, name)
+    name = f"{os.path.basename(path).removesuffix('.gguf')}-{content_digest(path)[:20]}-v{_CONVERSION_VERSION}"
+    return os.path.join(_cache_root(), kind, name)
+
+
+def _remove_stale(out: str) -> None:
+    """Remove the folders beside a new conversion that this Tidal never reads: those of another conversion
+    version and those named by the former key, the file's size and mtime (each reinstall made a new one)."""
+    import shutil
+
+    parent = os.path.dirname(out)
+    for name in os.listdir(parent):
+        folder = os.path.join(parent, name)
+        if name.startswith(".") or not os.path.isdir(folder):
+            continue
+        if re.search(r"-v\d+$", name) and not _CURRENT_NAME.search(name):
+            logger.info("Removing %s (a conversion this version of Tidal does not read)", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            for suffix in (".unkept-formats", ".tensors.json"):
+                try:
+                    os.remove(folder + suffix)
+                except OSError:
+                    pass
 
 
 def cached_conversion(path: str) -> str:
-    """The converted folder of a GGUF file, converting it on first use (keyed by name, size, mtime)."""
+    """The converted folder of a GGUF file, converting it on first use (keyed by name and content)."""
     out = _cache_folder(path, "gguf")
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         logger.info("Converting %s to %s (once; later loads read the conversion)", path, out)
         convert_gguf(path, out)
+        _remove_stale(out)
     return out
 
 
@@ -262,6 +319,7 @@ def cached_metadata(path: str) -> str:
     out = _cache_folder(path, "gguf-meta")
     if not os.path.exists(os.path.join(out, "config.json")):
         convert_gguf(path, out, weights=False)
+        _remove_stale(out)
     return out
 
 
