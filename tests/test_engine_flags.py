@@ -352,9 +352,86 @@ def test_commit_kv_cache_commits_every_layers_cache_and_changes_no_output(tiny_m
     assert [o.outputs[0].token_ids for o in committed.generate(prompts, params, use_tqdm=False)] == expected
 
 
-def test_commit_kv_cache_must_be_a_bool(tiny_model_dir):
-    with pytest.raises(ValueError, match="commit_kv_cache must be True or False, got 'yes'"):
+def test_commit_kv_cache_must_be_a_bool_or_none(tiny_model_dir):
+    with pytest.raises(ValueError, match="commit_kv_cache must be True, False or None .*, got 'yes'"):
         tiny_llm(tiny_model_dir("llama"), commit_kv_cache="yes")
+
+
+def _idle_engine(path: str, **kwargs):
+    from tests.helpers import TEST_KV_CACHE_BYTES
+    from tidal.config import EngineConfig
+    from tidal.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+                                  max_model_len=512, **kwargs))
+
+
+def test_an_idle_engine_commits_its_kv_cache_in_the_order_blocks_are_handed_out(tiny_model_dir):
+    """commit_kv_cache None (the default): each commit_idle_chunk commits the next few blocks of every layer's K
+    and V, from block 0 up (the pool hands out never-used blocks in id order), and says when it is done;
+    True (committed at start-up) and False (left to the writes) have nothing to commit while idle."""
+    engine = _idle_engine(tiny_model_dir("llama"))
+    caches = [a.kv_cache for a in engine.runner.attn_layers]
+    num_blocks = engine.kv_plan.num_blocks
+    assert num_blocks > 8 and not any(_resident(c) for c in caches)
+    more = engine.commit_idle_chunk(num_blocks=3)
+    if _kernel_before_5_14():  # nothing this kernel can do: the cache stays lazy
+        assert not more and not any(_resident(c) for c in caches)
+        return
+    assert more
+    for c in caches:
+        for kv in (c[0], c[1]):
+            assert _resident(kv[:3]), "blocks 0-2 committed"
+            assert not _resident(kv[num_blocks // 2:num_blocks // 2 + 1]), "the blocks after them left for later"
+    with tidal_log() as records:
+        while engine.commit_idle_chunk():
+            pass
+    assert all(_resident(c) for c in caches)
+    assert any("committed while the engine was idle" in r.getMessage() for r in records)
+    assert not engine.commit_idle_chunk()
+    for setting in (True, False):
+        other = _idle_engine(tiny_model_dir("llama"), commit_kv_cache=setting)
+        assert not other.commit_idle_chunk()
+        assert all(_resident(a.kv_cache) == setting for a in other.runner.attn_layers)
+
+
+def test_a_server_engine_loop_commits_the_cache_while_idle_and_serves_the_same_outputs(tiny_model_dir):
+    """AsyncLLM's loop (a server's engine) commits the cache between requests, a few blocks at a time, and a
+    request that arrives meanwhile gets the offline engine's tokens; with commit_kv_cache False the loop
+    leaves the pages to the writes."""
+    import asyncio
+    import time
+
+    from tidal.engine.async_llm import AsyncLLM
+    prompts = random_prompts(3, 5, 40, 512, seed=5)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in tiny_llm(tiny_model_dir("llama"), max_model_len=512).generate(
+        prompts, params, use_tqdm=False)]
+
+    async def run(llm):
+        async def one(i):
+            tokens = []
+            async for out in llm.generate(prompts[i], params, f"r{i}"):
+                tokens += out.outputs[0].token_ids if out.outputs else []
+            return tokens
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    for setting in (None, False):
+        engine = _idle_engine(tiny_model_dir("llama"), commit_kv_cache=setting)
+        caches = [a.kv_cache for a in engine.runner.attn_layers]
+        llm = AsyncLLM(engine)
+        try:
+            assert asyncio.run(run(llm)) == expected  # from the first moment, while the loop may be committing
+            deadline = time.monotonic() + 30
+            while setting is None and not all(_resident(c) for c in caches) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if setting is None and not _kernel_before_5_14():
+                assert all(_resident(c) for c in caches), "the idle loop committed the whole cache"
+            else:
+                time.sleep(0.3)
+                assert not any(_resident(c) for c in caches), "only the requests' blocks were written"
+            assert asyncio.run(run(llm)) == expected
+        finally:
+            llm.shutdown()
 
 
 def test_commit_kv_cache_on_cuda_says_it_has_no_effect_there():

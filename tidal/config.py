@@ -47,9 +47,11 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
-    # on a CPU, commit the KV cache's memory at start-up (every page faulted in before the first request)
-    # rather than page by page as requests first write it, inside their steps
-    commit_kv_cache: bool = False
+    # on a CPU, when the KV cache's memory is committed (its pages faulted in): True, at start-up, after a
+    # warm-up forward (before the first request); None, by a server's engine loop while it is idle, in the
+    # order the blocks are handed out (and, until then, by the first writes); False, only page by page as
+    # requests first write it, inside their steps
+    commit_kv_cache: bool | None = None
     enable_prefix_caching: bool = True
     # False: a prompt is computed whole in one step (never split across steps), which needs
     # max_num_batched_tokens >= max_model_len (the default budget is raised to it)
@@ -148,8 +150,9 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', "
                              f"got {self.distributed_executor_backend!r}")
-        if not isinstance(self.commit_kv_cache, bool):
-            raise ValueError(f"commit_kv_cache must be True or False, got {self.commit_kv_cache!r}")
+        if self.commit_kv_cache is not None and not isinstance(self.commit_kv_cache, bool):
+            raise ValueError("commit_kv_cache must be True, False or None (the default: a server commits it while "
+                             f"idle), got {self.commit_kv_cache!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False (or None: on where it applies on CUDA), got "
                              f"{self.async_scheduling!r}")

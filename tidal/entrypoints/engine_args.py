@@ -48,10 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser, disable_log_stats: bool = F
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache size in bytes (default on CPU: min(4 GiB, half the free memory); "
                         "on CUDA: from --gpu-memory-utilization)")
-    _bool_flag(g, "commit-kv-cache", False,
-               "on a CPU, commit the KV cache's memory at start-up (seconds for a few GiB, as vLLM-CPU does) rather "
-               "than page by page as requests first write it, which costs those requests' steps a page fault per "
-               "4 KiB (default off)")
+    _bool_flag(g, "commit-kv-cache", None,
+               "on a CPU, commit the KV cache's memory at start-up (seconds for a few GiB, as vLLM-CPU does); "
+               "--no-commit-kv-cache: only page by page as requests first write it, which costs those requests' "
+               "steps a page fault per 4 KiB; default: as they write it, and a server's engine commits the rest "
+               "while it is idle, in the order the blocks are handed out")
     _bool_flag(g, "enable-prefix-caching", True, "reuse the KV of repeated prompt prefixes (default on)")
     _bool_flag(g, "enable-chunked-prefill", True,
                "split a prompt longer than a step's token budget across steps (default on); off: each prompt is "

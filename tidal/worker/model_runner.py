@@ -165,6 +165,7 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.batch_invariant = False  # EngineConfig.batch_invariant: set by from_config
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self._commit_pool = None  # commit_kv_blocks' threads, started on first use
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
         self.platform = get_platform(self.device)
@@ -260,6 +261,20 @@ class ModelRunner:
         with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(caches)))) as pool:
             done = list(pool.map(commit_pages, caches))
         return sum(c.numel() * c.element_size() for c, ok in zip(caches, done) if ok)
+
+    def commit_kv_blocks(self, start: int, stop: int) -> int:
+        """On CPU, commit the memory of KV cache blocks [start, stop) of every layer (K and V), a thread per
+        core: the bytes committed (0 on CUDA, or where the kernel cannot)."""
+        if self.device.type != "cpu":
+            return 0
+        parts = [a.kv_cache[i, start:stop] for a in self.attn_layers if a.kv_cache is not None for i in (0, 1)]
+        if not parts:
+            return 0
+        if self._commit_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._commit_pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="tidal-commit")
+        done = list(self._commit_pool.map(commit_pages, parts))
+        return sum(t.numel() * t.element_size() for t, ok in zip(parts, done) if ok)
 
     def capture_decode_graphs(self) -> None:
         """Capture the decode graphs over the KV cache just allocated (nothing where graphs do not apply)."""
