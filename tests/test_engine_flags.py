@@ -365,47 +365,69 @@ def _idle_engine(path: str, **kwargs):
                                   max_model_len=512, **kwargs))
 
 
-def test_an_idle_engine_commits_its_kv_cache_in_the_order_blocks_are_handed_out(tiny_model_dir):
-    """commit_kv_cache None (the default): each commit_idle_chunk commits the next few blocks of every layer's K
-    and V, from block 0 up (the pool hands out never-used blocks in id order), and says when it is done;
-    True (committed at start-up) and False (left to the writes) have nothing to commit while idle."""
-    engine = _idle_engine(tiny_model_dir("llama"))
-    caches = [a.kv_cache for a in engine.runner.attn_layers]
-    num_blocks = engine.kv_plan.num_blocks
-    assert num_blocks > 8 and not any(_resident(c) for c in caches)
-    more = engine.commit_idle_chunk(num_blocks=3)
-    if _kernel_before_5_14():  # nothing this kernel can do: the cache stays lazy
-        assert not more and not any(_resident(c) for c in caches)
+def test_the_idle_committer_goes_in_block_order_only_while_idle_and_at_the_lowest_priority(monkeypatch):
+    """device.IdleCommitter: each thread commits its layers' K and V a chunk of blocks at a time from block 0
+    up (the order the pool hands out never-used blocks), every block once; nothing while not idle; its
+    threads run at SCHED_IDLE; the pages end up resident with their contents kept."""
+    import os
+    import threading
+
+    import torch
+
+    from tidal import device
+    from tidal.device import IdleCommitter, lazy_zeros
+    caches = [lazy_zeros((2, 40, 2, 16, 32), torch.float32, "cpu") for _ in range(3)]
+    caches[1][1, 39] = 5.0  # written before the commit: kept
+    calls, policies, real = [], set(), device.commit_pages
+    gate = threading.Event()
+
+    def commit(part):
+        gate.wait()
+        policies.add(os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None)
+        calls.append((threading.current_thread().name, part.data_ptr()))
+        return real(part)
+    monkeypatch.setattr(device, "commit_pages", commit)
+    committer = IdleCommitter(caches, num_blocks=40, num_threads=2, chunk=8)
+    committer.set_idle(False)
+    assert not committer._threads  # nothing starts before the engine is first idle
+    committer.set_idle(True)
+    committer.set_idle(False)  # busy again: the threads stop at their next chunk
+    gate.set()
+    assert not committer.done.wait(0.3) and len(calls) <= 2 * 2 * 2  # at most the chunk each had begun
+    committer.set_idle(True)
+    assert committer.done.wait(30)
+    assert committer.committed_blocks == (0 if committer.failed else 40)
+    if committer.failed:  # a kernel before 5.14: nothing committed, the cache stays lazy
+        assert _kernel_before_5_14()
         return
-    assert more
-    for c in caches:
-        for kv in (c[0], c[1]):
-            assert _resident(kv[:3]), "blocks 0-2 committed"
-            assert not _resident(kv[num_blocks // 2:num_blocks // 2 + 1]), "the blocks after them left for later"
-    with tidal_log() as records:
-        while engine.commit_idle_chunk():
-            pass
+    if hasattr(os, "SCHED_IDLE"):
+        assert policies == {os.SCHED_IDLE}
+    starts = {}
+    for name, ptr in calls:
+        starts.setdefault(name, []).append(ptr)
+    assert len(starts) == 2
+    for ptrs in starts.values():  # per thread: its layers' K then V, chunk after chunk, in block order
+        per_chunk = len(ptrs) // 5
+        chunks = [ptrs[i:i + per_chunk] for i in range(0, len(ptrs), per_chunk)]
+        assert all(b[0] > a[0] for a, b in zip(chunks, chunks[1:]))
+    assert len(calls) == len(set(p for _, p in calls)) == 3 * 2 * 5  # layers x (K, V) x chunks, each once
     assert all(_resident(c) for c in caches)
-    assert any("committed while the engine was idle" in r.getMessage() for r in records)
-    assert not engine.commit_idle_chunk()
-    for setting in (True, False):
-        other = _idle_engine(tiny_model_dir("llama"), commit_kv_cache=setting)
-        assert not other.commit_idle_chunk()
-        assert all(_resident(a.kv_cache) == setting for a in other.runner.attn_layers)
+    assert caches[1][1, 39].eq(5.0).all() and caches[1][0].eq(0).all()
 
 
 def test_a_server_engine_loop_commits_the_cache_while_idle_and_serves_the_same_outputs(tiny_model_dir):
-    """AsyncLLM's loop (a server's engine) commits the cache between requests, a few blocks at a time, and a
-    request that arrives meanwhile gets the offline engine's tokens; with commit_kv_cache False the loop
-    leaves the pages to the writes."""
+    """AsyncLLM's loop (a server's engine) has the cache committed in the background between requests, and a
+    request that arrives meanwhile gets the offline engine's tokens; with commit_kv_cache False the pages are
+    left to the writes, with True there is nothing left to commit; the offline LLM never starts it."""
     import asyncio
     import time
 
     from tidal.engine.async_llm import AsyncLLM
     prompts = random_prompts(3, 5, 40, 512, seed=5)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in tiny_llm(tiny_model_dir("llama"), max_model_len=512).generate(
-        prompts, params, use_tqdm=False)]
+    offline = tiny_llm(tiny_model_dir("llama"), max_model_len=512)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    assert not offline.llm_engine._committer._threads  # no idle loop offline: nothing committed ahead
 
     async def run(llm):
         async def one(i):
@@ -415,20 +437,25 @@ def test_a_server_engine_loop_commits_the_cache_while_idle_and_serves_the_same_o
             return tokens
         return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
-    for setting in (None, False):
+    for setting in (None, False, True):
         engine = _idle_engine(tiny_model_dir("llama"), commit_kv_cache=setting)
         caches = [a.kv_cache for a in engine.runner.attn_layers]
         llm = AsyncLLM(engine)
         try:
-            assert asyncio.run(run(llm)) == expected  # from the first moment, while the loop may be committing
-            deadline = time.monotonic() + 30
-            while setting is None and not all(_resident(c) for c in caches) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            with tidal_log() as records:
+                assert asyncio.run(run(llm)) == expected  # from the first moment, while it may be committing
+                if setting is None:
+                    assert engine._committer.done.wait(30)
+                    time.sleep(0.1)  # the log line comes after
             if setting is None and not _kernel_before_5_14():
                 assert all(_resident(c) for c in caches), "the idle loop committed the whole cache"
-            else:
+                assert any("committed while the engine was idle" in r.getMessage() for r in records)
+            elif setting is not True:
                 time.sleep(0.3)
                 assert not any(_resident(c) for c in caches), "only the requests' blocks were written"
+                assert engine._committer is None or engine._committer.failed
+            else:
+                assert engine._committer is None  # committed at start-up already
             assert asyncio.run(run(llm)) == expected
         finally:
             llm.shutdown()

@@ -9,11 +9,17 @@ drain its queue before the forward starts; on CPU it is the tensor itself.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import mmap
+import os
 import sys
+import threading
+import time
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -73,6 +79,94 @@ def commit_pages(t: torch.Tensor) -> bool:
     madvise = libc.madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+
+
+def _lowest_priority() -> None:
+    """The calling thread runs only on a core nothing else wants (SCHED_IDLE; else nice 19)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread on Linux
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+
+
+class IdleCommitter:
+    """Commits a lazily committed KV cache (lazy_zeros: [2, num_blocks, ...] per layer) in the background
+    while the engine is idle: `num_threads` threads at the lowest priority (SCHED_IDLE: they take only CPU
+    time nothing else wants, so a server still starting, a client or a step never waits for them), each over
+    its share of the layers, commit the K and V of `chunk` blocks at a time (commit_pages) in block id order,
+    the order in which the pool hands out blocks never used, and stop between chunks whenever set_idle(False)
+    says the engine has work. Writing a page while it is being committed is safe (the commit keeps contents).
+    Started by the first set_idle(True): an engine whose loop is never idle (the offline LLM) never runs it."""
+
+    def __init__(self, caches: list[torch.Tensor], num_blocks: int, num_threads: int, chunk: int = 8) -> None:
+        self.num_blocks, self.chunk = num_blocks, chunk
+        self.num_bytes = sum(c.numel() * c.element_size() for c in caches)
+        self._idle = threading.Event()
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._running = 0
+        self.done = threading.Event()  # set when every thread has finished (or given up)
+        self.failed = False  # this kernel cannot commit ahead (before Linux 5.14): the pages stay lazy
+        n = max(1, min(num_threads, len(caches)))
+        self._shares = [caches[i::n] for i in range(n)]
+        self._threads: list[threading.Thread] = []
+        self._busy_s = 0.0  # the threads' time committing, summed
+        self._progress = [0] * n  # blocks each thread has committed (of its layers)
+
+    @property
+    def committed_blocks(self) -> int:
+        """Blocks [0, committed_blocks) are committed in every layer."""
+        return min(self._progress)
+
+    def set_idle(self, idle: bool) -> None:
+        if not idle:
+            self._idle.clear()
+            return
+        if not self._threads and self._shares and not self._stopped:
+            self._start = time.perf_counter()
+            self._running = len(self._shares)
+            self._threads = [threading.Thread(target=self._run, args=(i, share), name=f"tidal-kv-commit-{i}",
+                                              daemon=True) for i, share in enumerate(self._shares)]
+            for t in self._threads:
+                t.start()
+        self._idle.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._idle.set()
+        for t in self._threads:
+            t.join(5.0)
+
+    def _run(self, index: int, caches: list[torch.Tensor]) -> None:
+        _lowest_priority()
+        busy = 0.0
+        try:
+            for start in range(0, self.num_blocks, self.chunk):
+                self._idle.wait()
+                if self._stopped or self.failed:
+                    return
+                t = time.perf_counter()
+                for c in caches:
+                    for part in (c[0, start:start + self.chunk], c[1, start:start + self.chunk]):
+                        if not commit_pages(part):
+                            self.failed = True
+                            return
+                busy += time.perf_counter() - t
+                self._progress[index] = min(self.num_blocks, start + self.chunk)
+        finally:
+            with self._lock:
+                self._busy_s += busy
+                self._running -= 1
+                last = self._running == 0
+            if last:
+                if not self.failed and not self._stopped:
+                    logger.info("KV cache memory committed while the engine was idle: %.1f MiB, %.2f s of "
+                                "committing over %.1f s", self.num_bytes / 2**20, self._busy_s,
+                                time.perf_counter() - self._start)
+                self.done.set()
 
 
 class HostCopy:

@@ -283,12 +283,10 @@ class AsyncLLM:
                     wait = self.idle_wait_s
                     if draining and self._streams:
                         wait = min(wait, max(0.0, self._drain_deadline - time.monotonic()))
-                    deadline = time.monotonic() + wait
-                    # the KV cache committed a few blocks at a time until a command arrives
-                    while not self._wakeup.is_set() and time.monotonic() < deadline and engine.commit_idle_chunk():
-                        pass
-                    self._wakeup.wait(max(0.0, deadline - time.monotonic()))
+                    engine.set_idle(True)
+                    self._wakeup.wait(wait)
                     continue
+                engine.set_idle(False)
                 try:
                     outputs = engine.step()
                     failures = 0

@@ -168,11 +168,9 @@ class LLMEngine:
         if (capture := getattr(self.runner, "capture_decode_graphs", None)) is not None:  # CUDA graphs (a runner's)
             capture()
         self.kv_plan = plan
-        # blocks [0, _idle_committed) of a lazily committed CPU cache are committed (commit_idle_chunk); the
-        # pool hands out never-used blocks in id order, so these are the blocks the next requests get
+        # commit_kv_cache None: a server's loop has the cache committed in the background while it is idle
         idle = config.commit_kv_cache is None and config.device == "cpu" and not workers
-        self._idle_committed = 0 if idle else plan.num_blocks
-        self._idle_commit_s = 0.0
+        self._committer = self.runner.idle_committer(plan.num_blocks) if idle else None
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints,
@@ -212,26 +210,12 @@ class LLMEngine:
                     plan.num_bytes / 2**20, plan.num_blocks, config.block_size, plan.num_tokens,
                     plan.num_tokens / self.max_model_len)
 
-    def commit_idle_chunk(self, num_blocks: int = 8) -> bool:
-        """commit_kv_cache None, called by a server's engine loop while it is idle: commit the memory of the
-        next num_blocks KV cache blocks (every layer's K and V; a few ms), so that the steps of the next
-        requests do not pay their first writes' page faults. Blocks go in id order, the order in which the
-        pool hands out blocks never used. False once the whole cache is committed, and where there is nothing
-        to do (commit_kv_cache True or False, CUDA, workers: --commit-kv-cache commits theirs at start-up)."""
-        start, total = self._idle_committed, self.kv_plan.num_blocks
-        if start >= total:
-            return False
-        t = time.perf_counter()
-        stop = min(total, start + num_blocks)
-        if not self.runner.commit_kv_blocks(start, stop):
-            self._idle_committed = total  # this kernel cannot (before Linux 5.14): the pages stay lazy
-            return False
-        self._idle_committed = stop
-        self._idle_commit_s += time.perf_counter() - t
-        if stop == total:
-            logger.info("KV cache memory committed while the engine was idle: %.1f MiB in %.2f s",
-                        self.kv_plan.num_bytes / 2**20, self._idle_commit_s)
-        return stop < total
+    def set_idle(self, idle: bool) -> None:
+        """A server's engine loop says whether it has nothing to run. With commit_kv_cache None (the default;
+        CPU, no workers) the KV cache's memory is committed in the background while it has not
+        (device.IdleCommitter), so that the next requests' steps do not pay their first writes' page faults."""
+        if self._committer is not None:
+            self._committer.set_idle(idle)
 
     # -- setup helpers ---------------------------------------------------------------------------
     def _commit_kv_cache(self, num_bytes: int, warm_s: float) -> None:
@@ -623,5 +607,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop worker processes (also done when the engine is garbage-collected or at exit)."""
+        if getattr(self, "_committer", None) is not None:
+            self._committer.stop()
         self.structured.shutdown()
         self.executor.shutdown()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
-from tidal.device import HostCopy, commit_pages, lazy_zeros, to_device
+from tidal.device import HostCopy, IdleCommitter, commit_pages, lazy_zeros, to_device
 from tidal.forward_context import ForwardContext, set_forward_context
 from tidal.layers.attention import Attention
 from tidal.layers.attention.kv_cache_dtype import FP8, describe_kv_cache_dtype, kv_cache_torch_dtype
@@ -165,7 +165,6 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.batch_invariant = False  # EngineConfig.batch_invariant: set by from_config
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self._commit_pool = None  # commit_kv_blocks' threads, started on first use
         self.mamba_layers = [m for m in model.modules() if isinstance(m, MambaMixer)]
         self.device = next(model.parameters()).device
         self.platform = get_platform(self.device)
@@ -262,19 +261,14 @@ class ModelRunner:
             done = list(pool.map(commit_pages, caches))
         return sum(c.numel() * c.element_size() for c, ok in zip(caches, done) if ok)
 
-    def commit_kv_blocks(self, start: int, stop: int) -> int:
-        """On CPU, commit the memory of KV cache blocks [start, stop) of every layer (K and V), a thread per
-        core: the bytes committed (0 on CUDA, or where the kernel cannot)."""
-        if self.device.type != "cpu":
-            return 0
-        parts = [a.kv_cache[i, start:stop] for a in self.attn_layers if a.kv_cache is not None for i in (0, 1)]
-        if not parts:
-            return 0
-        if self._commit_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._commit_pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="tidal-commit")
-        done = list(self._commit_pool.map(commit_pages, parts))
-        return sum(t.numel() * t.element_size() for t, ok in zip(parts, done) if ok)
+    def idle_committer(self, num_blocks: int) -> IdleCommitter | None:
+        """On CPU, a background committer of the KV cache's blocks [0, num_blocks) while the engine is idle
+        (commit_kv_cache None); None on CUDA or without attention layers. One thread: the other core stays
+        free for a server still starting and its first clients (`tidal serve` answered /health 0.1 s later
+        on the 2-core AMX Xeon guest with two committing threads, within the noise with one), and one
+        thread commits the blocks a benchmark's 64 requests use within a second."""
+        caches = [a.kv_cache for a in self.attn_layers if a.kv_cache is not None] if self.device.type == "cpu" else []
+        return IdleCommitter(caches, num_blocks, 1) if caches else None
 
     def capture_decode_graphs(self) -> None:
         """Capture the decode graphs over the KV cache just allocated (nothing where graphs do not apply)."""
