@@ -25,6 +25,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from tidal.native import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _NAME_MAP = {
@@ -244,10 +246,6 @@ _CONVERSION_VERSION = 2
 _CURRENT_NAME = re.compile(rf"-[0-9a-f]{{20}}-v{_CONVERSION_VERSION}$")
 
 
-def _cache_root() -> str:
-    return os.environ.get("TIDAL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tidal"))
-
-
 def content_digest(path: str) -> str:
     """The sha256 of a file's bytes (hex), hashed once per file: remembered in the cache under the file's
     real path with its size, mtime and inode, so a later load only stats the file (the default model: 98 MB
@@ -258,7 +256,7 @@ def content_digest(path: str) -> str:
     real = os.path.realpath(path)
     st = os.stat(real)
     stamp = [real, st.st_size, st.st_mtime_ns, st.st_ino]
-    memo = os.path.join(_cache_root(), "digests", hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
+    memo = os.path.join(cache_dir(), "digests", hashlib.sha256(real.encode()).hexdigest()[:32] + ".json")
     try:
         with open(memo) as f:
             known = json.load(f)
@@ -281,7 +279,7 @@ def content_digest(path: str) -> str:
 
 def _cache_folder(path: str, kind: str) -> str:
     name = f"{os.path.basename(path).removesuffix('.gguf')}-{content_digest(path)[:20]}-v{_CONVERSION_VERSION}"
-    return os.path.join(_cache_root(), kind, name)
+    return os.path.join(cache_dir(), kind, name)
 
 
 def _remove_stale(out: str) -> None:
