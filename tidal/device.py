@@ -9,6 +9,7 @@ drain its queue before the forward starts; on CPU it is the tensor itself.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -75,10 +76,15 @@ def commit_pages(t: torch.Tensor) -> bool:
     page = mmap.PAGESIZE
     start = t.data_ptr() // page * page
     end = t.data_ptr() + t.numel() * t.element_size()
-    libc = ctypes.CDLL(None, use_errno=True)  # the call releases the GIL: threads commit tensors in parallel
-    madvise = libc.madvise
+    return _madvise()(start, end - start, _MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise (the call releases the GIL: threads commit tensors in parallel), looked up once."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    return madvise
 
 
 def _lowest_priority() -> None:

@@ -253,7 +253,7 @@ class ModelRunner:
         """On CPU, commit the KV cache's memory now (device.commit_pages: a thread per core, a layer's cache
         at a time each), so that no step pays the page faults of its first writes: the bytes committed (0 on
         CUDA, or where the kernel cannot)."""
-        caches = [a.kv_cache for a in self.attn_layers if a.kv_cache is not None] if self.device.type == "cpu" else []
+        caches = self._cpu_kv_caches()
         if not caches:
             return 0
         from concurrent.futures import ThreadPoolExecutor
@@ -267,8 +267,12 @@ class ModelRunner:
         free for a server still starting and its first clients (`tidal serve` answered /health 0.1 s later
         on the 2-core AMX Xeon guest with two committing threads, within the noise with one), and one
         thread commits the blocks a benchmark's 64 requests use within a second."""
-        caches = [a.kv_cache for a in self.attn_layers if a.kv_cache is not None] if self.device.type == "cpu" else []
+        caches = self._cpu_kv_caches()
         return IdleCommitter(caches, num_blocks, 1) if caches else None
+
+    def _cpu_kv_caches(self) -> list[torch.Tensor]:
+        """Every attention layer's KV cache on a CPU (the lazily committed ones); none on CUDA."""
+        return [a.kv_cache for a in self.attn_layers if a.kv_cache is not None] if self.device.type == "cpu" else []
 
     def capture_decode_graphs(self) -> None:
         """Capture the decode graphs over the KV cache just allocated (nothing where graphs do not apply)."""
