@@ -107,6 +107,24 @@ def test_native_decoder_is_bitwise_the_python_layers(llama, isa, dtype, quantiza
         assert fused == (dtype == "bfloat16" and quantization is None and cpu_kernels.amx_in_use())
 
 
+def test_the_scratch_reserved_ahead_is_the_one_the_forwards_use(llama):
+    """ModelRunner.reserve_activations (a server's first idle moment) makes the native decoder's activation
+    scratch of a step that large and writes each of its pages: every byte of the layout of that many rows
+    (fp32: no fused gate/up buffer to leave out); the forwards after it, smaller and as large, in scratch
+    that holds the earlier ones' values, stay bitwise the Python layers'."""
+    llm = LLM(llama, dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    decoder = _decoder(llm)
+    a, m = decoder.layers[0].self_attn, decoder.layers[0].mlp
+    H, q, kv, inter = decoder.layers[0].input_layernorm.weight.shape[0], a.num_heads * a.head_dim, \
+        a.num_kv_heads * a.head_dim, m.down_proj.in_features
+    rows = 200
+    per_row = [H, H, q + 2 * kv, q + kv, q, 2 * inter, inter, H]  # csrc/decoder.cpp: scratch_layout
+    expected = sum(-(-rows * n * 4 // 64) * 64 for n in per_row)
+    assert llm.llm_engine.runner.reserve_activations(rows) == expected
+    assert decoder.calls == 0  # no forward made it
+    _native_equals_python(llm, _prompts())
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_native_decoder_with_qkv_bias_and_batch_invariance(qwen2, invariant):
     # bf16 products of plain weights run natively with AVX-512 BF16 only (torch's elsewhere): fp32 there

@@ -75,6 +75,24 @@ class _Stream:
             pass
 
 
+def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Hand a step's outputs to their streams with one wake-up of each consumer loop (a step of 64 requests
+    wakes a server's event loop once, not 64 times), each stream's items in their order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, pairs)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            pass
+
+
+def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in pairs:
+        q.put_nowait(item)
+
+
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
     def settle():
         if future.done():  # the caller stopped waiting (timed out, cancelled)
@@ -300,10 +318,7 @@ class AsyncLLM:
                             stream.put(e)
                     self._hook(aborted + e.outputs)
                     continue
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
+                self._deliver_outputs(outputs)
                 self._hook(aborted + outputs)
         except BaseException as e:
             logger.exception("Engine loop failed; failing all requests")
@@ -315,6 +330,11 @@ class AsyncLLM:
                 logger.exception("stopping the engine after its failure failed too")
             if self.on_dead is not None:
                 self.on_dead(e)
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Each output of a step to its request's stream (those still open)."""
+        streams = self._streams
+        _deliver([(stream, out) for out in outputs if (stream := streams.get(out.request_id)) is not None])
 
     def _abort_open_streams(self) -> list[RequestOutput]:
         """The drain deadline has passed: abort every request still open, each with a clear error."""

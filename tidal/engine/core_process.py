@@ -41,7 +41,7 @@ import msgspec
 import zmq
 
 from tidal.config import EngineConfig
-from tidal.engine.async_llm import AsyncLLM, EngineDeadError, _resolve
+from tidal.engine.async_llm import AsyncLLM, EngineDeadError, _deliver, _resolve
 from tidal.engine.core_launch import start_core_process
 from tidal.engine.llm_engine import LLMEngine, StepError
 from tidal.engine.stats import EngineStats
@@ -122,6 +122,12 @@ class _CoreLoop(AsyncLLM):
         self._outbox: list[tuple[str, object]] = []
         self._answers: list[tuple[int, bytes]] = []
         self.on_dead = lambda error: self._flush((), kind="dead", error=repr(error))
+
+    def _deliver_outputs(self, outputs) -> None:
+        for out in outputs:  # into the outbox, sent with the step's message
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
 
     def _answer_call(self, loop, future, result, error) -> None:
         self._answers.append((future, _pickle_answer(result, error)))
@@ -419,11 +425,9 @@ class CoreProcessAsyncLLM(AsyncLLM):
             view.stats = message.stats
         view.scheduler.num_running, view.scheduler.num_waiting = message.running, message.waiting
         view.kv_manager.usage = message.kv_usage
-        outputs = message.outputs
-        for request_id, i, error in message.deliveries:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put(outputs[i] if error is None else _rebuild_error(error))
+        outputs, streams = message.outputs, self._streams
+        _deliver([(stream, outputs[i] if error is None else _rebuild_error(error))
+                  for request_id, i, error in message.deliveries if (stream := streams.get(request_id)) is not None])
         for call_id, answer in message.calls:
             waiter = self._calls.pop(call_id, None)
             if waiter is not None:

@@ -171,6 +171,7 @@ class LLMEngine:
         # commit_kv_cache None: a server's loop has the cache committed in the background while it is idle
         idle = config.commit_kv_cache is None and config.device == "cpu" and not workers
         self._committer = self.runner.idle_committer(plan.num_blocks) if idle else None
+        self._reserved = False  # the activations' scratch made at the first idle moment (set_idle)
         self.kv_manager = KVCacheManager(plan.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len, state_pool=state_pool, state_checkpoints=checkpoints,
@@ -215,7 +216,17 @@ class LLMEngine:
         CPU, no workers) the KV cache's memory is committed in the background while it has not
         (device.IdleCommitter), so that the next requests' steps do not pay their first writes' page faults."""
         if self._committer is not None:
+            if idle and not self._reserved:  # first: the activations of a step as large as the budget
+                self._reserved = True
+                self._reserve_activations()
             self._committer.set_idle(idle)
+
+    def _reserve_activations(self) -> None:
+        t = time.perf_counter()
+        written = self.runner.reserve_activations(self.max_num_batched_tokens)
+        if written:
+            logger.info("Activation memory of a %d-token step written while the engine was idle: %.1f MiB in %.3f s",
+                        self.max_num_batched_tokens, written / 2**20, time.perf_counter() - t)
 
     # -- setup helpers ---------------------------------------------------------------------------
     def _commit_kv_cache(self, num_bytes: int, warm_s: float) -> None:

@@ -71,6 +71,8 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.tidal_decoder_forward.restype = ctypes.c_int
     lib.tidal_decoder_forward.argtypes = ([c_void_p, c_void_p, c_void_p, ctypes.c_int] + [c_void_p] * 5
                                           + [c_int64, c_void_p, c_int64])
+    lib.tidal_decoder_reserve.restype = c_int64
+    lib.tidal_decoder_reserve.argtypes = [c_void_p, c_int64]
 
 
 _LIB = NativeLibrary("decoder", os.path.join(os.path.dirname(__file__), "csrc", "decoder.cpp"),
@@ -264,6 +266,18 @@ class NativeDecoder:
                        rotary.sin_signed.data_ptr(), array)
         model._keep = (array, rotary)
         return model
+
+    def reserve(self, num_tokens: int, invariant: bool) -> int:
+        """Make the activations' scratch of a forward over num_tokens rows on this thread and write its pages
+        once (csrc/decoder.cpp: tidal_decoder_reserve), so that the first step that large does not take
+        their page faults: the bytes written (0 where the native forward does not run or needs no kept
+        scratch). For an engine that is idle, on the thread that runs its forwards."""
+        lib = _LIB.get()
+        kv = self.layers[0].self_attn.attn.kv_cache
+        if lib is None or kv is None or not 1 <= num_tokens <= MAX_TOKENS:
+            return 0
+        plan = self._build(self.dtype, num_tokens, False, invariant, torch.get_num_threads())
+        return 0 if plan is None else max(0, lib.tidal_decoder_reserve(ctypes.addressof(plan), num_tokens))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 last_stage: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:

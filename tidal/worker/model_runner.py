@@ -270,6 +270,19 @@ class ModelRunner:
         caches = self._cpu_kv_caches()
         return IdleCommitter(caches, num_blocks, 1) if caches else None
 
+    def reserve_activations(self, num_tokens: int) -> int:
+        """On CPU, the native decoder's activation scratch for a step of num_tokens made and written once on
+        this thread (NativeDecoder.reserve), so that the first step that large does not take its page
+        faults: the bytes written (0 where no native decoder runs)."""
+        if self.device.type != "cpu":
+            return 0
+        written = 0
+        for module in self.model.modules():
+            native = module._native_decoder() if hasattr(module, "_native_decoder") else None
+            if native is not None:
+                written += native.reserve(num_tokens, self.batch_invariant)
+        return written
+
     def _cpu_kv_caches(self) -> list[torch.Tensor]:
         """Every attention layer's KV cache on a CPU (the lazily committed ones); none on CUDA."""
         return [a.kv_cache for a in self.attn_layers if a.kv_cache is not None] if self.device.type == "cpu" else []

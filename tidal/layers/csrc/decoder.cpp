@@ -6,7 +6,9 @@
 // what goes is the per-op cost of Python, ctypes and tensor allocation, which on a small model's decode
 // step is comparable to the products themselves (tidal/layers/native_decoder.py).
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "simd.h"
@@ -94,9 +96,85 @@ int run_linear(const Linear& l, const void* x, void* out, int64_t M, int dtype, 
   }
 }
 
+// The activations' scratch of a forward over T rows: normed, res2, qkv, qk, attn, gate_up, act, out, each
+// on cache lines (a row that straddles two costs the tile loads and the products' stores twice the traffic;
+// a 4,096-token prompt step's products ran at half the speed on malloc's 16-byte alignment). Returns the
+// bytes, and each buffer's offset in offsets.
+constexpr int kBuffers = 8;
+constexpr int kGateUp = 5;  // never written where gate/up and silu-and-mul run as one product
+constexpr int64_t kKeepBytes = int64_t{128} << 20;
+
+int64_t scratch_layout(int64_t H, int64_t hq, int64_t hk, int64_t D, int64_t I, int64_t es, int64_t T,
+                       int64_t* offsets) {
+  const int64_t q_size = hq * D, kv_size = hk * D, qkv_size = q_size + 2 * kv_size;
+  const int64_t sizes[kBuffers] = {T * H, T * H, T * qkv_size, T * (q_size + kv_size), T * q_size, T * 2 * I, T * I,
+                                   T * H};
+  int64_t total = 0;
+  for (int i = 0; i < kBuffers; ++i) {
+    offsets[i] = total;
+    total += (sizes[i] * es + 63) / 64 * 64;
+  }
+  return total;
+}
+
+// Scratch memory that grows without being written: a std::vector's resize would zero (and copy) it on the
+// calling thread alone, page faults included, while the other threads wait (a server's first 2,048-token
+// step took ~100 ms longer on the AMX Xeon guest); here each page is first written by the kernel that
+// fills it, on whichever thread computes it.
+struct Scratch {
+  uint8_t* data = nullptr;
+  int64_t size = 0;
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { release(); }
+  void release() {
+    if (data != nullptr) ::operator delete(data, std::align_val_t{64});
+    data = nullptr;
+    size = 0;
+  }
+  uint8_t* reserve(int64_t bytes) {
+    if (bytes > size) {
+      release();
+      data = static_cast<uint8_t*>(::operator new(static_cast<size_t>(bytes), std::align_val_t{64}, std::nothrow));
+      size = data != nullptr ? bytes : 0;
+    }
+    return data;
+  }
+};
+
+thread_local Scratch kept;
+
 }  // namespace
 
 extern "C" {
+
+// Make the calling thread's kept scratch as large as m's forward over T rows needs (up to kKeepBytes) and
+// write each of its pages once, the threads splitting them (not the gate/up product's buffer where m runs
+// gate/up and silu-and-mul as one product, which never writes it), so that the first forward of that
+// size does not take the page faults. For where the engine is idle (a server's first idle moment), on the
+// thread that runs the forwards. Returns the bytes written (0 beyond kKeepBytes: such forwards make their
+// scratch for the call), or -1 when the memory could not be had.
+int64_t tidal_decoder_reserve(const Model* m, int64_t T) {
+  int64_t offsets[kBuffers];
+  const int64_t total = scratch_layout(m->hidden, m->hq, m->hk, m->head_dim, m->inter, m->dtype == 0 ? 4 : 2, T,
+                                       offsets);
+  if (total > kKeepBytes) return 0;
+  uint8_t* p = kept.reserve(total);
+  if (p == nullptr) return -1;
+  const bool skip = m->gate_up_silu != nullptr;
+  const int64_t skip_begin = skip ? offsets[kGateUp] : total, skip_end = skip ? offsets[kGateUp + 1] : total;
+  const int64_t pages = (total + 4095) / 4096;
+  int64_t written = 0;
+#pragma omp parallel for schedule(static) num_threads(m->threads) reduction(+ : written)
+  for (int64_t i = 0; i < pages; ++i) {
+    const int64_t at = i * 4096;
+    if (at >= skip_begin && at < skip_end) continue;
+    p[at] = 0;
+    written += std::min<int64_t>(4096, total - at);
+  }
+  return written;
+}
 
 // hidden [T, H] in: the embeddings (or the previous stage's hidden states); residual [T, H]: the residual
 // coming in when has_residual, else unset. Both out: the last layer's output and residual, as the Python
@@ -109,21 +187,15 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
   const int64_t es = m->dtype == 0 ? 4 : 2;
   const int64_t H = m->hidden, D = m->head_dim, hq = m->hq, hk = m->hk;
   const int64_t q_size = hq * D, kv_size = hk * D, qkv_size = q_size + 2 * kv_size, I = m->inter;
-  // the activations' buffers: kept between calls up to kKeepBytes (a decode step's few kilobytes, a prompt
-  // chunk's megabytes), made for the call alone beyond
-  constexpr int64_t kKeepBytes = int64_t{128} << 20;
-  // (on cache lines: a row that straddles two costs the tile loads and the products' stores twice the
-  // traffic; a 4,096-token prompt step's products ran at half the speed on malloc's 16-byte alignment)
-  thread_local simd::avector<uint8_t> kept;
-  simd::avector<uint8_t> once;
-  const int64_t sizes[] = {T * H, T * H, T * qkv_size, T * (q_size + kv_size), T * q_size, T * 2 * I, T * I, T * H};
-  int64_t total = 0;
-  for (int64_t s : sizes) total += (s * es + 63) / 64 * 64;
-  simd::avector<uint8_t>& scratch = total <= kKeepBytes ? kept : once;
-  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
-  uint8_t* p = scratch.data();
-  void* buf[8];
-  for (int i = 0; i < 8; ++i) { buf[i] = p; p += (sizes[i] * es + 63) / 64 * 64; }
+  // the activations' buffers (scratch_layout): kept between calls up to kKeepBytes (a decode step's few
+  // kilobytes, a prompt chunk's megabytes), made for the call alone beyond
+  int64_t offsets[kBuffers];
+  const int64_t total = scratch_layout(m->hidden, hq, hk, D, I, es, T, offsets);
+  Scratch once;
+  uint8_t* p = (total <= kKeepBytes ? kept : once).reserve(total);
+  if (p == nullptr) return 1;
+  void* buf[kBuffers];
+  for (int i = 0; i < kBuffers; ++i) buf[i] = p + offsets[i];
   void* normed = buf[0];
   void* res2 = buf[1];
   void* qkv = buf[2];
