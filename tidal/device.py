@@ -120,6 +120,7 @@ class IdleCommitter:
         self._shares = [caches[i::n] for i in range(n)]
         self._threads: list[threading.Thread] = []
         self._busy_s = 0.0  # the threads' time committing, summed
+        self._start = 0.0  # when the threads started (perf_counter)
         self._progress = [0] * n  # blocks each thread has committed (of its layers)
 
     @property

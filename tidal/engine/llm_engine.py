@@ -213,8 +213,10 @@ class LLMEngine:
 
     def set_idle(self, idle: bool) -> None:
         """A server's engine loop says whether it has nothing to run. With commit_kv_cache None (the default;
-        CPU, no workers) the KV cache's memory is committed in the background while it has not
-        (device.IdleCommitter), so that the next requests' steps do not pay their first writes' page faults."""
+        CPU, no workers) the first idle moment writes the activation scratch of a step as large as the budget
+        (on this, the engine's thread), and the KV cache's memory is committed in the background while it has
+        nothing to run (device.IdleCommitter), so that the next requests' steps do not pay their first writes'
+        page faults."""
         if self._committer is not None:
             if idle and not self._reserved:  # first: the activations of a step as large as the budget
                 self._reserved = True
