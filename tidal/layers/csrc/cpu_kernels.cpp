@@ -1435,6 +1435,8 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
         for (int64_t h = 0; h < Hk; ++h) items.insert(items.end(), {t, h});
   }
 #endif
+  // a tile's heads go to one thread together: its blocks' K (and V) of all heads are one run of memory
+  const int64_t per_take = items.empty() ? Hk : 1;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> qf(QT * G * D), res(QT * G * D);
@@ -1447,7 +1449,7 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
     std::vector<int64_t> wide_ids, wide_table;
     int64_t wide_h = -1;
 #endif
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, per_take)
     for (int64_t item = 0; item < num_tiles * Hk; ++item) {
       const Tile& tile = tiles[items.empty() ? item / Hk : items[2 * item]];
       const int64_t h = items.empty() ? item % Hk : items[2 * item + 1], n = tile.count;
