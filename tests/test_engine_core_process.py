@@ -101,6 +101,43 @@ def test_outputs_metrics_and_calls_match_the_engine_in_one_process(tiny_model_di
         assert httpx.get(f"{base}/health").status_code == 200
 
 
+def test_outputs_cross_without_their_prompts_and_get_them_back(tiny_model_dir, monkeypatch):
+    """The core sends a step's outputs without their prompts (the server process has them); the caller's
+    outputs carry them as in one process."""
+    from tidal.engine import core_process
+    real, on_the_wire = core_process._DECODER, []
+
+    class Recording:  # what the server's receiver thread decodes, before the streams put the prompts back
+        def decode(self, data):
+            message = real.decode(data)
+            on_the_wire.extend((o.prompt, list(o.prompt_token_ids)) for o in message.outputs)
+            return message
+
+    monkeypatch.setattr(core_process, "_DECODER", Recording())
+    path = tiny_model_dir("llama")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = (("ids", {"prompt_token_ids": [5, 6, 7, 8]}),
+               ("text", {"prompt": "a b c", "prompt_token_ids": [9, 10, 11]}))
+
+    async def run(async_llm):
+        return [[o async for o in async_llm.generate(prompt, params, rid)] for rid, prompt in prompts]
+
+    with core_serving(path) as (_, async_llm):
+        remote = asyncio.run(run(async_llm))
+    local_llm = AsyncLLM.from_config(_config(path))
+    try:
+        local = asyncio.run(run(local_llm))
+    finally:
+        local_llm.shutdown()
+    assert on_the_wire and all(prompt is None and ids == [] for prompt, ids in on_the_wire)
+    for got, want in zip(remote, local, strict=True):
+        assert len(got) == len(want) > 1
+        assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in got] == \
+            [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in want]
+    assert remote[0][0].prompt_token_ids == [5, 6, 7, 8] and remote[0][0].prompt is None
+    assert remote[1][-1].prompt == "a b c" and remote[1][-1].prompt_token_ids == [9, 10, 11]
+
+
 def test_abort_crosses_the_boundary_and_frees_the_requests_blocks(tiny_model_dir):
     path = tiny_model_dir("llama")
     with core_serving(path) as (base, async_llm):

@@ -64,9 +64,11 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """Where the engine thread delivers one request's outputs (or its error)."""
+    """Where the engine thread delivers one request's outputs (or its error), and the request's prompt (text,
+    token ids) as `generate` sent it: an engine core in another process sends its outputs without it."""
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    prompt: tuple[str | None, list[int]]
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
@@ -177,7 +179,7 @@ class AsyncLLM:
         text, ids = self.engine.process_prompt(prompt)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), (text, ids))
         self._streams[request_id] = stream
         self._num_adds_sent += 1
         self._send(("add", request_id, {"prompt": text, "prompt_token_ids": ids},

@@ -10,7 +10,10 @@ num_waiting, dead_error, on_dead, step_hook, `engine`) and is what the server ho
 process, which builds the LLMEngine (and its tensor/pipeline-parallel workers) and runs AsyncLLM's own loop
 on its main thread, so errors, aborts, drain and the fault hook behave exactly as in one process. Commands
 (add, abort, call, drain, shutdown) go to the core pickled over one ZeroMQ PUSH/PULL pair; after every
-step (and every second while idle) the core sends one msgspec message back with the step's outputs, the
+step (and every second while idle) the core sends one msgspec message back with the step's outputs (without
+their prompts, which the server process holds: each request's stream puts its own back, so a step of 64
+requests of 256-token prompts is an 18 KB message rather than 67 KB, and the server does not decode 16,384
+prompt ids a step; a step hook's output of a request whose stream has gone has none), the
 errors of the requests that failed, the answers to `call_in_engine`, and the engine's stats, which a
 receiver thread of the server process hands to the request streams and to the step hook (the server's
 Prometheus metrics), through `engine`: a view of the engine (tokenizer, limits, stats, check_params,
@@ -153,6 +156,8 @@ class _CoreLoop(AsyncLLM):
                 outputs.append(item)
             deliveries.append((request_id, i, None))
         self._outbox = []
+        for out in outputs:  # the server process holds each request's prompt: not sent again with every output
+            out.prompt, out.prompt_token_ids = None, []
         answers, self._answers = self._answers, []
         engine = self.engine
         stats = engine.stats
@@ -426,8 +431,18 @@ class CoreProcessAsyncLLM(AsyncLLM):
         view.scheduler.num_running, view.scheduler.num_waiting = message.running, message.waiting
         view.kv_manager.usage = message.kv_usage
         outputs, streams = message.outputs, self._streams
-        _deliver([(stream, outputs[i] if error is None else _rebuild_error(error))
-                  for request_id, i, error in message.deliveries if (stream := streams.get(request_id)) is not None])
+        items = []
+        for request_id, i, error in message.deliveries:
+            stream = streams.get(request_id)
+            if stream is None:
+                continue
+            if error is None:
+                out = outputs[i]
+                out.prompt, out.prompt_token_ids = stream.prompt  # as the stream's request sent it
+                items.append((stream, out))
+            else:
+                items.append((stream, _rebuild_error(error)))
+        _deliver(items)
         for call_id, answer in message.calls:
             waiter = self._calls.pop(call_id, None)
             if waiter is not None:
