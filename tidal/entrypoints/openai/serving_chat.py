@@ -228,7 +228,7 @@ class ChatHandler:
 
         def chunk(choices, usage=None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                           usage=usage).model_dump())
+                                           usage=usage))
 
         # The role first, as OpenAI does, so clients can open the message before any text.
         first = request.messages[-1].content if request.echo and isinstance(request.messages[-1].content, str) \

@@ -187,7 +187,7 @@ class CompletionHandler:
                         sent_prompt_lps.add(i)
                         choice.prompt_logprobs = _prompt_logprobs_json(out.prompt_logprobs or [])
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
-                                                 choices=[choice]).model_dump())
+                                                 choices=[choice]))
         except (EngineDeadError, RuntimeError) as e:
             yield sse(engine_error(e).body())
         else:
@@ -196,7 +196,7 @@ class CompletionHandler:
                 usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
                                   total_tokens=num_prompt + num_gen)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                             usage=usage).model_dump())
+                                             usage=usage))
         yield sse("[DONE]")
 
 
