@@ -72,6 +72,33 @@ def test_completion_usage_is_the_real_token_counts(client, server):
     assert r.choices[0].finish_reason == "length" and r.choices[0].text
 
 
+def test_a_streamed_chunk_is_one_event_with_the_models_values():
+    from tidal.entrypoints.openai.protocol import (
+        ChatCompletionChunk,
+        ChatStreamChoice,
+        CompletionChoice,
+        CompletionLogProbs,
+        CompletionResponse,
+        DeltaMessage,
+        UsageInfo,
+    )
+    from tidal.entrypoints.openai.serving_base import sse
+    text = 'é "q"\n\r\u2028 \\ end'
+    chunks = [CompletionResponse(id="c", created=1, model="m", usage=UsageInfo(prompt_tokens=1, completion_tokens=2,
+                                                                              total_tokens=3),
+                                 choices=[CompletionChoice(index=0, text=text, finish_reason="stop", stop_reason=7,
+                                                           logprobs=CompletionLogProbs(tokens=[text],
+                                                                                       token_logprobs=[-0.25],
+                                                                                       top_logprobs=[{text: -0.25}],
+                                                                                       text_offset=[0]))]),
+              ChatCompletionChunk(id="c", created=1, model="m",
+                                  choices=[ChatStreamChoice(index=1, delta=DeltaMessage(content=text))])]
+    for chunk in chunks:
+        event = sse(chunk)
+        assert event.startswith("data: ") and event.endswith("\n\n") and "\n" not in event[:-2] and "\r" not in event
+        assert json.loads(event[len("data: "):]) == json.loads(json.dumps(chunk.model_dump()))
+
+
 def test_completion_stream_equals_non_stream(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
