@@ -21,14 +21,15 @@ def isa(request):
         yield request.param
 
 
+@pytest.mark.parametrize("rows", [7, 40])  # 40 rows of 8 heads: past the size from which threads share the rows
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_matches_torch(dtype):
+def test_rope_matches_torch(dtype, rows):
     torch.manual_seed(0)
     rope = RotaryEmbedding(64, 512, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    qkv = torch.randn(7, 12 * 64, dtype=dtype)
-    x = qkv[:, :8 * 64].view(7, 8, 64)  # strided rows, as the model passes q and k heads of a fused qkv
-    positions = torch.tensor([0, 5, 17, 100, 255, 256, 511])
+    qkv = torch.randn(rows, 12 * 64, dtype=dtype)
+    x = qkv[:, :8 * 64].view(rows, 8, 64)  # strided rows, as the model passes q and k heads of a fused qkv
+    positions = torch.tensor([0, 5, 17, 100, 255, 256, 511] + torch.randint(0, 512, (rows - 7,)).tolist())
     native = cpu_kernels.rope_neox(x, rope.cos_full, rope.sin_signed, positions)
     cos = rope.cos_full[positions].unsqueeze(1).to(dtype)
     sin = rope.sin_signed[positions].unsqueeze(1).to(dtype)

@@ -1526,7 +1526,9 @@ template <int DT>
 static void rope_neox(const void* x, int64_t x_stride, const float* cos_full, const float* sin_signed,
                       const int64_t* positions, void* out, int64_t T, int64_t H, int64_t D, int num_threads) {
   const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H * D > 65536)
+// (threads from ~22 rows of the default model's 12 heads: a 64-row decode step's 30 layers of rotary took
+// 0.63 ms on one thread, 0.37 ms on two, on the AMX Xeon)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H * D > 16384)
   for (int64_t t = 0; t < T; ++t) {
     const float* c = cos_full + positions[t] * D;
     const float* s = sin_signed + positions[t] * D;
