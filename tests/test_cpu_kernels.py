@@ -58,6 +58,26 @@ def test_write_kv_matches_indexing(dtype):
         assert torch.equal(raw_v[slots // bs, :, (slots % bs) // 2, :, (slots % bs) % 2], v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_of_whole_blocks_matches_indexing(dtype):
+    """A prompt's tokens that fill whole 16-token blocks in order (K written a block at a time where the cache
+    is bf16), beside tokens that start mid-block, skip a slot, or end short of a block: the same cache as
+    the torch path writes."""
+    torch.manual_seed(0)
+    nb, hk, bs, d = 8, 3, 16, 64
+    kv = torch.zeros(kv_cache_shape(nb, bs, hk, d), dtype=dtype)
+    k_cache, v_cache = split_kv_cache(kv)
+    slots = torch.tensor(list(range(32, 48)) + [5, 7, 6] + list(range(80, 96)) + list(range(16, 31)) + [100]
+                         + list(range(112, 128)))
+    t = len(slots)
+    qkv = torch.randn(t, 4 * hk * d, dtype=dtype)
+    k, v = qkv[:, hk * d:2 * hk * d].view(t, hk, d), qkv[:, 3 * hk * d:].view(t, hk, d)
+    assert cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+    expected = torch.zeros_like(kv)
+    write_slots(*split_kv_cache(expected), k, v, slots, 1.0, 1.0)
+    assert torch.equal(kv, expected)
+
+
 def test_fp32_rows_written_into_a_bf16_cache_keep_every_nan():
     """NaNs of any payload stay NaNs in a bf16 cache, as 0x7fc0 (c10's scalar conversion; torch's vector one
     writes 0xffff): rounding the fp32 bits to nearest would carry a payload of all ones into the sign (-0.0)

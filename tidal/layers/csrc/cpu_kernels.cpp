@@ -1668,46 +1668,94 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
   const S* vs = static_cast<const S*>(v);
   E* kc = static_cast<E*>(k_cache);
   E* vc = static_cast<E*>(v_cache);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * Hk * D >= 8192)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t block = slots[t] / bs, off = slots[t] % bs;
-    prefetch_next_slot(slots, t, T, kc, vc, Hk, D, bs);
-    for (int64_t h = 0; h < Hk; ++h) {
-      const S* kr = ks + t * k_stride + h * D;
-      const S* vr = vs + t * v_stride + h * D;
-      if (v_pairs) {
-        E* prow = vc + (block * Hk + h) * bs * D + (off & ~int64_t{1}) * D;  // the token's pair row
-        int64_t d = 0;
+  // A prompt's tokens fill whole blocks: where 16 tokens in a row go to one block's 16 slots in order, that
+  // block's K rows of each head are the transpose of the tokens' pairs, written 64 bytes at a time (16 x 16
+  // transposes of 32-bit pairs) instead of a pair per token and row: the same bytes, and a 2,048-token
+  // prompt step's KV writes 7.9-8.0 -> 5.4 ms on the AMX Xeon (the default model, 30 layers, a committed
+  // cache). units: the first token of each whole block written so; every other token is written alone.
+  bool whole_blocks = false;
 #if TIDAL_VEC == 16
-        if constexpr (std::is_same<S, E>::value) {  // 16 values into every other 16-bit slot: one masked store
-          const __mmask32 mine = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
-          for (; d + 16 <= D; d += 16) {
-            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + d)));
-            if (off & 1) w = _mm512_slli_epi32(w, 16);
-            _mm512_mask_storeu_epi16(prow + 2 * d, mine, w);
-          }
-        }
+  if constexpr (std::is_same<S, E>::value && sizeof(E) == 2)
+    whole_blocks = k_pairs && bs == 16 && D % 32 == 0 && T >= 16;
 #endif
-        for (; d < D; ++d) prow[2 * d + (off & 1)] = convert<S, E>(vr[d]);
-      } else if constexpr (std::is_same<S, E>::value) {
-        std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vr, D * sizeof(E));
+  std::vector<int64_t> units;  // >= 0: a token alone; < 0: -(first token + 1) of a whole block
+  if (whole_blocks) {
+    units.reserve(T);
+    for (int64_t t = 0; t < T;) {
+      bool whole = slots[t] >= 0 && slots[t] % bs == 0 && t + bs <= T;
+      for (int64_t i = 1; whole && i < bs; ++i) whole = slots[t + i] == slots[t] + i;
+      if (whole) {
+        units.push_back(-(t + 1));
+        t += bs;
       } else {
-        E* vdst = vc + ((block * Hk + h) * bs + off) * D;
-        for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
+        units.push_back(t++);
       }
-      if (k_pairs) {
-        E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
-        for (int64_t d = 0; d < D; d += 2) {
-          if constexpr (std::is_same<S, E>::value) {
-            std::memcpy(kdst + d * bs, kr + d, 2 * sizeof(E));  // the pair as one word
-          } else {
-            kdst[d * bs] = convert<S, E>(kr[d]);
-            kdst[d * bs + 1] = convert<S, E>(kr[d + 1]);
+    }
+  }
+  const int64_t num_units = whole_blocks ? static_cast<int64_t>(units.size()) : T;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * Hk * D >= 8192)
+  for (int64_t u = 0; u < num_units; ++u) {
+    const int64_t first = whole_blocks ? (units[u] < 0 ? -units[u] - 1 : units[u]) : u;
+    const bool block_whole = whole_blocks && units[u] < 0;
+#if TIDAL_VEC == 16
+    if constexpr (std::is_same<S, E>::value && sizeof(E) == 2) {
+      if (block_whole) {
+        const int64_t block = slots[first] / bs;
+        for (int64_t h = 0; h < Hk; ++h) {
+          E* kb = kc + (block * Hk + h) * D * bs;  // row p: the 16 tokens' pair p, 64 bytes
+          for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i)
+              r[i] = _mm512_loadu_si512(ks + (first + i) * k_stride + h * D + 2 * p0);
+            simd::transpose16x16(r);
+            for (int q = 0; q < 16; ++q) _mm512_storeu_si512(kb + (p0 + q) * 2 * bs, r[q]);
           }
         }
-      } else {
-        E* kdst = kc + (block * Hk + h) * D * bs + off;
-        for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
+      }
+    }
+#endif
+    for (int64_t t = first; t < first + (block_whole ? bs : 1); ++t) {  // the unit's tokens: V, and K if alone
+      const int64_t block = slots[t] / bs, off = slots[t] % bs;
+      if (!block_whole) prefetch_next_slot(slots, t, T, kc, vc, Hk, D, bs);
+      for (int64_t h = 0; h < Hk; ++h) {
+        const S* kr = ks + t * k_stride + h * D;
+        const S* vr = vs + t * v_stride + h * D;
+        if (v_pairs) {
+          E* prow = vc + (block * Hk + h) * bs * D + (off & ~int64_t{1}) * D;  // the token's pair row
+          int64_t d = 0;
+#if TIDAL_VEC == 16
+          if constexpr (std::is_same<S, E>::value) {  // 16 values into every other 16-bit slot: one masked store
+            const __mmask32 mine = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
+            for (; d + 16 <= D; d += 16) {
+              __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + d)));
+              if (off & 1) w = _mm512_slli_epi32(w, 16);
+              _mm512_mask_storeu_epi16(prow + 2 * d, mine, w);
+            }
+          }
+#endif
+          for (; d < D; ++d) prow[2 * d + (off & 1)] = convert<S, E>(vr[d]);
+        } else if constexpr (std::is_same<S, E>::value) {
+          std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vr, D * sizeof(E));
+        } else {
+          E* vdst = vc + ((block * Hk + h) * bs + off) * D;
+          for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
+        }
+        if (block_whole) {
+          // (its K rows written above)
+        } else if (k_pairs) {
+          E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
+          for (int64_t d = 0; d < D; d += 2) {
+            if constexpr (std::is_same<S, E>::value) {
+              std::memcpy(kdst + d * bs, kr + d, 2 * sizeof(E));  // the pair as one word
+            } else {
+              kdst[d * bs] = convert<S, E>(kr[d]);
+              kdst[d * bs + 1] = convert<S, E>(kr[d + 1]);
+            }
+          }
+        } else {
+          E* kdst = kc + (block * Hk + h) * D * bs + off;
+          for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
+        }
       }
     }
   }
