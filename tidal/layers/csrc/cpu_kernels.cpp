@@ -1678,13 +1678,20 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
   if constexpr (std::is_same<S, E>::value && sizeof(E) == 2)
     whole_blocks = k_pairs && bs == 16 && D % 32 == 0 && T >= 16;
 #endif
+  auto whole_at = [&](int64_t t) {  // tokens t .. t + bs - 1 fill one block's slots in order
+    bool whole = slots[t] >= 0 && slots[t] % bs == 0 && t + bs <= T;
+    for (int64_t i = 1; whole && i < bs; ++i) whole = slots[t + i] == slots[t] + i;
+    return whole;
+  };
+  if (whole_blocks) {  // (a decode step's rows, one per request, fill none: no units for them)
+    whole_blocks = false;
+    for (int64_t t = 0; t < T && !whole_blocks; ++t) whole_blocks = whole_at(t);
+  }
   std::vector<int64_t> units;  // >= 0: a token alone; < 0: -(first token + 1) of a whole block
   if (whole_blocks) {
     units.reserve(T);
     for (int64_t t = 0; t < T;) {
-      bool whole = slots[t] >= 0 && slots[t] % bs == 0 && t + bs <= T;
-      for (int64_t i = 1; whole && i < bs; ++i) whole = slots[t + i] == slots[t] + i;
-      if (whole) {
+      if (whole_at(t)) {
         units.push_back(-(t + 1));
         t += bs;
       } else {
