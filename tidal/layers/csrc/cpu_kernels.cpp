@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -550,6 +551,7 @@ TIDAL_AMX_TARGET static inline void begin_scores(const uint16_t* qb) {
   std::memset(qa, 0, sizeof(qa));
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < CH; ++c) std::memcpy(qa[c][r], qb + r * D + 32 * c, 64);
+  simd::tiles_see_stores();
   simd::TileConfig cfg{};
   cfg.palette = 1;
   for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
@@ -705,8 +707,15 @@ static void bf16_pairs(const float* scores, int64_t stride, int64_t rows, int64_
     for (; t + 32 <= L; t += 32)
       _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sg + t + 16), fv),
                                                                _mm512_mul_ps(_mm512_loadu_ps(sg + t), fv)));
-    for (; t < L; ++t) pb[t] = float_to_bf16(sg[t] * f);
-    if (L % 2) pb[L] = 0;
+    if (t < L) {  // the last values, zeros after them (a last odd value's partner among them)
+      const int64_t r = L - t;
+      const __mmask16 lo = (__mmask16)(r >= 16 ? 0xffff : (1u << r) - 1), hi = (__mmask16)(r > 16 ? (1u << (r - 16)) - 1 : 0);
+      const __m512 x0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, sg + t), fv);
+      const __m512 x1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hi, sg + t + 16), fv);
+      const int64_t stored = r + (r % 2);
+      _mm512_mask_storeu_epi16(pb + t, (__mmask32)(stored >= 32 ? ~0u : (1u << stored) - 1),
+                               (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    }
   }
 }
 
@@ -834,8 +843,9 @@ TIDAL_AMX_TARGET static void accumulate_bf16_amx(const uint32_t* ppairs, int64_t
       } else {
         std::memset(pa, 0, sizeof(pa));
         for (int g = 0; g < G; ++g) std::memcpy(pa[g], ppairs + g * half + t0 / 2, np * 4);
-        _tile_loadd(4, pa, 32);
         copy_v_group(pairs, D, n, nc, 128, &vb[0][0][0]);
+        simd::tiles_see_stores();
+        _tile_loadd(4, pa, 32);
         acc_tiles_step(reinterpret_cast<const uint16_t*>(&vb[0][0][0]), 256, 64, nc);
       }
     }
@@ -896,6 +906,198 @@ static void accumulate_bf16(const uint32_t* ppairs, int64_t half, const uint16_t
     for (int g = 0; g < G; ++g)
       #pragma GCC unroll 16
       for (int c = 0; c < 2 * P2; ++c) _mm512_storeu_ps(acc + (g * C + 2 * u0 + c) * 16, av[g][c]);
+  }
+}
+
+// A prompt chunk's tile on AMX: n <= 16 consecutive tokens of one request (token i sees its first lens[i]
+// cached tokens, lens growing by one, S = lens[n - 1]) against KV head h, its G query heads one after the
+// other as 16-row tiles (rows the tokens). Every row is what attend_tile computes for it in tiles of fewer
+// tokens, and what the one-token path computes alone: the same scores (per group of 16 tokens from zero, the
+// chunks of 32 dims into one sum tile, times scale), softmax_exp over the row's own tokens, its probabilities
+// rounded to pairs with the factor folded in (bf16_pairs), zero past the row's length, and the weighted sum
+// over the same groups of 16 from zero sums (a last partial group's V copied with zeros past S). What the
+// wider tile saves is the work per K/V tile: each loaded for 16 rows (attend_tile's tiles hold 12), two tile
+// configurations for 16 tokens instead of two for every 4, and the scale and the row maximum taken in one
+// pass. qb [16][G][D] bf16 (rows past n ignored); res [n][G][D] fp32; work: scores and probability pairs.
+struct PromptWork {
+  simd::avector<float> scores;
+  simd::avector<uint32_t> pairs;
+  simd::avector<uint16_t> qa;  // the heads' query chunks of 32 dims: [G][CH][16 rows][32]
+};
+
+template <int C>
+TIDAL_AMX_TARGET static void attend_prompt_amx(const uint16_t* qb, int64_t n, const int64_t* lens, int64_t G,
+                                               float scale, const uint16_t* k_cache, const uint16_t* v_cache,
+                                               const int64_t* table, int64_t h, int64_t Hk, int64_t bs,
+                                               PromptWork& w, float* res) {
+  constexpr int64_t D = C * 16;
+  constexpr int CH = C / 2;  // chunks of 32 dims
+  static_assert(C % 2 == 0 && CH <= 4, "AMX prompt tiles: D a multiple of 32 up to 128");
+  const int64_t S = lens[n - 1];
+  const int64_t stride = (S + 15) / 16 * 16, half = stride / 2;  // a row's scores; its probability pairs
+  w.scores.resize(G * 16 * stride);
+  w.pairs.resize(G * 16 * half);
+  w.qa.assign(G * CH * 512, 0);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < n; ++i)
+      for (int c = 0; c < CH; ++c)
+        std::memcpy(w.qa.data() + ((g * CH + c) * 16 + i) * 32, qb + (i * G + g) * D + 32 * c, 64);
+  simd::tiles_see_stores();
+  const int64_t chunk_bytes = D * bs * 2;
+  {  // scores: tmm0 (and tmm7) a group's sums, tmm1-4 the head's query chunks, tmm5-6 (and tmm3-4) K
+    simd::TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    simd::load_tile_config(cfg);
+  }
+  const int64_t ld = 4 * bs, chunk = 32 * bs;
+  auto k_group = [&](int64_t t0) {  // the group's K pairs (dims 0, 1 of its first token)
+    return k_cache + (table[t0 / bs] * Hk + h) * D * bs + 2 * (t0 % bs);
+  };
+  // K in spans of 64 tokens, each span's K read from memory once and from L1 by every head after the first
+  constexpr int64_t kSpan = 64;
+  for (int64_t s0 = 0; s0 < S; s0 += kSpan) {
+    const int64_t s1 = std::min(S, s0 + kSpan);
+    for (int64_t t0 = s0; t0 < s1; t0 += 16)
+      if (t0 % bs == 0) {
+        if (t0 + 2 * kSpan < S && (t0 + 2 * kSpan) % bs == 0)
+          prefetch_bytes<_MM_HINT_T1>(
+              reinterpret_cast<const char*>(k_cache + (table[(t0 + 2 * kSpan) / bs] * Hk + h) * D * bs), chunk_bytes);
+        prefetch_bytes<_MM_HINT_T1>(reinterpret_cast<const char*>(v_cache + (table[t0 / bs] * Hk + h) * D * bs),
+                                    chunk_bytes);
+      }
+    for (int64_t g = 0; g < G; ++g) {
+      load_query_chunks<CH>(w.qa.data() + g * CH * 512);
+      float* sg = w.scores.data() + g * 16 * stride;
+      int64_t t0 = s0;
+      if constexpr (CH <= 2) {
+        // two groups at a time, sums in tmm0 and tmm7, K in tmm5-6 and tmm3-4
+        for (; t0 + 16 < s1; t0 += 32) {
+          const uint16_t* ka = k_group(t0);
+          const uint16_t* kb = k_group(t0 + 16);
+          _tile_zero(0);
+          _tile_zero(7);
+          _tile_loadd(5, ka, ld);
+          _tile_dpbf16ps(0, 1, 5);
+          _tile_loadd(3, kb, ld);
+          _tile_dpbf16ps(7, 1, 3);
+          if constexpr (CH > 1) {
+            _tile_loadd(6, ka + chunk, ld);
+            _tile_dpbf16ps(0, 2, 6);
+            _tile_loadd(4, kb + chunk, ld);
+            _tile_dpbf16ps(7, 2, 4);
+          }
+          _tile_stored(0, sg + t0, stride * 4);
+          _tile_stored(7, sg + t0 + 16, stride * 4);
+        }
+      }
+      for (; t0 < s1; t0 += 16) {
+        const uint16_t* kb = k_group(t0);
+        _tile_zero(0);
+        score_chunk<0>(kb, ld);
+        if constexpr (CH > 1) score_chunk<1>(kb + chunk, ld);
+        if constexpr (CH > 2) score_chunk<2>(kb + 2 * chunk, ld);
+        if constexpr (CH > 3) score_chunk<3>(kb + 3 * chunk, ld);
+        _tile_stored(0, sg + t0, stride * 4);
+      }
+    }
+  }
+  // probabilities: per row, the scores times scale and their maximum in one pass (the products scores_bf16_amx
+  // stores, kept apart from the subtraction that follows: GCC would fuse the two into one FMA, other bits),
+  // then softmax_exp's passes and bf16_pairs' rounding
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < 16; ++i) {
+      float* row = w.scores.data() + (g * 16 + i) * stride;
+      uint32_t* prow = w.pairs.data() + (g * 16 + i) * half;
+      if (i >= n) {
+        std::memset(prow, 0, half * 4);
+        continue;
+      }
+      const int64_t L = lens[i];
+      __m512 mv = _mm512_set1_ps(-INFINITY);
+      int64_t t = 0;
+      for (; t + 16 <= L; t += 16) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + t), sv);
+        _mm512_storeu_ps(row + t, x);
+        mv = _mm512_max_ps(mv, x);
+      }
+      if (t < L) {
+        const __mmask16 m = (__mmask16)((1u << (L - t)) - 1);
+        const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), sv);
+        _mm512_mask_storeu_ps(row + t, m, x);
+        mv = _mm512_mask_max_ps(mv, m, mv, x);
+      }
+      const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+      __m512 sum = _mm512_setzero_ps();
+      for (t = 0; t + 16 <= L; t += 16) {
+        const __m512 e = simd::exp(_mm512_sub_ps(_mm512_loadu_ps(row + t), mb));
+        _mm512_storeu_ps(row + t, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      if (t < L) {
+        const int64_t r = L - t;
+        const __m512 e = simd::exp(simd::sub(simd::load_first(row + t, r, 0.f), mb));
+        simd::store_first(row + t, e, r);
+        sum = simd::add_first(sum, e, r);
+      }
+      const float factor = 1.f / simd::reduce_add(sum);
+      bf16_pairs(row, stride, 1, 1, &L, prow, &factor);
+      const int64_t used = (L + 1) / 2;
+      std::memset(prow + used, 0, (half - used) * 4);
+    }
+  simd::tiles_see_stores();
+  {  // weighted sums: tmm0-3 the sums of up to 64 dims a pass, tmm4 the probabilities, tmm5-6 V
+    simd::TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 4; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    cfg.colsb[4] = 32, cfg.rows[4] = 16;
+    cfg.colsb[5] = cfg.colsb[6] = 64, cfg.rows[5] = cfg.rows[6] = 8;
+    simd::load_tile_config(cfg);
+  }
+  alignas(64) uint32_t vb[4][8][16];  // a last partial group's V tiles
+  const int64_t ldb = G * D * 4;      // res's row stride (tokens) in bytes
+  for (int64_t g = 0; g < G; ++g) {
+    const uint32_t* pg = w.pairs.data() + g * 16 * half;
+    float* rg = res + g * D;
+    for (int c0 = 0; c0 < C; c0 += 4) {
+      const int nc = (int)std::min<int64_t>(4, C - c0);
+      acc_tiles_load(rg, c0, ldb, true, nc);
+      for (int64_t t0 = 0; t0 < S; t0 += 16) {
+        const uint16_t* pairs = v_cache + (table[t0 / bs] * Hk + h) * bs * D + (t0 % bs) * D + 32 * c0;
+        _tile_loadd(4, pg + t0 / 2, half * 4);
+        if (t0 + 16 <= S) {
+          acc_tiles_step(pairs, 32, 4 * D, nc);
+        } else {
+          copy_v_group(pairs, D, S - t0, nc, 128, &vb[0][0][0]);
+          simd::tiles_see_stores();
+          acc_tiles_step(reinterpret_cast<const uint16_t*>(&vb[0][0][0]), 256, 64, nc);
+        }
+      }
+      // rows past n are stored into a scratch copy: res holds n rows
+      if (n == 16) {
+        acc_tiles_store(rg, c0, ldb, nc);
+      } else {
+        alignas(64) float tmp[16][64];
+        acc_tiles_store(&tmp[0][0], 0, 256, nc);
+        for (int64_t i = 0; i < n; ++i) std::memcpy(rg + i * G * D + c0 * 16, tmp[i], nc * 64);
+      }
+    }
+  }
+  _tile_release();
+}
+
+using PromptFn = void (*)(const uint16_t*, int64_t, const int64_t*, int64_t, float, const uint16_t*, const uint16_t*,
+                          const int64_t*, int64_t, int64_t, int64_t, PromptWork&, float*);
+
+static PromptFn prompt_kernel_for(int64_t D, int64_t bs) {
+  if (!simd::amx_usable() || bs % 16 != 0) return nullptr;
+  switch (D) {
+    case 32: return attend_prompt_amx<2>;
+    case 64: return attend_prompt_amx<4>;
+    case 96: return attend_prompt_amx<6>;
+    case 128: return attend_prompt_amx<8>;
+    default: return nullptr;
   }
 }
 
@@ -1356,16 +1558,23 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
   }
 #endif
   // tiles: queries order[first, first + count) sharing their first `shared` tokens' blocks (0: one query)
-  struct Tile { int64_t first, count, shared; };
+  // a prompt chunk's tiles of up to 16 tokens on AMX (attend_prompt_amx), where the queries are exact bf16
+  int64_t chunk_tile = QT;
+#if defined(__AVX512BF16__) && defined(TIDAL_VEC)
+  const PromptFn prompt = QDT == kBF16 && KDT == kBF16 && QT > 1 && one.bf16 ? prompt_kernel_for(D, bs) : nullptr;
+  if (prompt) chunk_tile = 16;
+#endif
+  struct Tile { int64_t first, count, shared; bool chunk; };
   std::vector<Tile> tiles;
   std::vector<int64_t> order, singles;
   order.reserve(B);
   for (int64_t b = 0; b < B;) {
     int64_t n = 1;
-    while (n < QT && b + n < B && table_index[b + n] == table_index[b] && seq_lens[b + n] == seq_lens[b + n - 1] + 1)
+    while (n < chunk_tile && b + n < B && table_index[b + n] == table_index[b] &&
+           seq_lens[b + n] == seq_lens[b + n - 1] + 1)
       ++n;
     if (n > 1) {
-      tiles.push_back({static_cast<int64_t>(order.size()), n, seq_lens[b + n - 1]});
+      tiles.push_back({static_cast<int64_t>(order.size()), n, seq_lens[b + n - 1], true});
       for (int64_t i = 0; i < n; ++i) order.push_back(b + i);
     } else {
       singles.push_back(b);
@@ -1397,7 +1606,7 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
     }
     const int64_t first = static_cast<int64_t>(order.size());
     for (size_t i = 0; i < n; ++i) order.push_back(singles[s + i]);
-    tiles.push_back({first, static_cast<int64_t>(n), n > 1 ? shared * bs : 0});
+    tiles.push_back({first, static_cast<int64_t>(n), n > 1 ? shared * bs : 0, false});
     s += n;
   }
 #if defined(TIDAL_VEC)
@@ -1443,8 +1652,12 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
   {
     std::vector<float> qf(QT * G * D), res(QT * G * D);
     simd::avector<float> work;
-    int64_t lens[8];
-    const int64_t* tabs[8];
+    int64_t lens[16];
+    const int64_t* tabs[16];
+#if defined(__AVX512BF16__) && defined(TIDAL_VEC)
+    std::unique_ptr<PromptWork> pw;
+    std::vector<uint16_t> qp;
+#endif
 #if defined(TIDAL_VEC)
     // the widened blocks (tiled_wide): K and V of head wide_h for the cache blocks wide_ids, in that order
     std::vector<float> wide_k, wide_v;
@@ -1455,6 +1668,24 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
     for (int64_t item = 0; item < num_tiles * Hk; ++item) {
       const Tile& tile = tiles[items.empty() ? item / Hk : items[2 * item]];
       const int64_t h = items.empty() ? item % Hk : items[2 * item + 1], n = tile.count;
+#if defined(__AVX512BF16__) && defined(TIDAL_VEC)
+      if (prompt && tile.chunk) {
+        if (!pw) pw = std::make_unique<PromptWork>();
+        qp.resize(n * G * D);
+        if (static_cast<int64_t>(res.size()) < n * G * D) res.resize(n * G * D);
+        const int64_t* tab = table_of(order[tile.first]);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t b = order[tile.first + i];
+          lens[i] = seq_lens[b];
+          std::memcpy(qp.data() + i * G * D, static_cast<const uint16_t*>(q) + b * q_stride + h * G * D, G * D * 2);
+        }
+        prompt(qp.data(), n, lens, G, scale, static_cast<const uint16_t*>(k_cache),
+               static_cast<const uint16_t*>(v_cache), tab, h, Hk, bs, *pw, res.data());
+        for (int64_t i = 0; i < n; ++i)
+          narrow<QDT>(res.data() + i * G * D, out_scale, G * D, out, (order[tile.first + i] * Hq + h * G) * D);
+        continue;
+      }
+#endif
       const int64_t m = n > 1 ? QT : 1;  // a partial tile repeats its last query (results unused)
       for (int64_t i = 0; i < m; ++i) {
         const int64_t b = order[tile.first + std::min(i, n - 1)];

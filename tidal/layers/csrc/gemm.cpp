@@ -733,6 +733,7 @@ struct Weights {
       if (K % 32 == 0) return p;
       std::memcpy(buf, p, pairs * 16 * 4);
       std::memset(buf + pairs * 16, 0, (chunks * 16 - pairs) * 16 * 4);
+      simd::tiles_see_stores();
       return buf;
     }
     const int64_t n0 = t * 16;
@@ -751,6 +752,7 @@ struct Weights {
       simd::transpose16x16(r);  // r[q] lane i: pair p0 + q of weight row n0 + i
       for (int q = 0; q < 16; ++q) _mm512_storeu_si512(buf + (p0 + q) * 16, r[q]);
     }
+    simd::tiles_see_stores();
     return buf;
   }
 };

@@ -343,4 +343,9 @@ struct alignas(64) TileConfig {
 inline void load_tile_config(const TileConfig& c) { asm volatile("ldtilecfg %0" : : "m"(c)); }
 #endif
 
+// GCC 12's _tile_loadd is an asm that takes only its address: the compiler may move (or, with nothing else
+// reading the buffer, drop) stores into a buffer past the tile load that reads it. Called between the stores
+// into a kernel's own buffer and the tile loads of it.
+inline void tiles_see_stores() { asm volatile("" : : : "memory"); }
+
 }  // namespace simd
