@@ -707,9 +707,10 @@ static void bf16_pairs(const float* scores, int64_t stride, int64_t rows, int64_
     for (; t + 32 <= L; t += 32)
       _mm512_storeu_si512(pb + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sg + t + 16), fv),
                                                                _mm512_mul_ps(_mm512_loadu_ps(sg + t), fv)));
-    if (t < L) {  // the last values, zeros after them (a last odd value's partner among them)
+    if (t < L) {  // the last values by the same conversion, zeros after them (a last odd value's partner)
       const int64_t r = L - t;
-      const __mmask16 lo = (__mmask16)(r >= 16 ? 0xffff : (1u << r) - 1), hi = (__mmask16)(r > 16 ? (1u << (r - 16)) - 1 : 0);
+      const __mmask16 lo = (__mmask16)(r >= 16 ? 0xffff : (1u << r) - 1);
+      const __mmask16 hi = (__mmask16)(r > 16 ? (1u << (r - 16)) - 1 : 0);
       const __m512 x0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, sg + t), fv);
       const __m512 x1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(hi, sg + t + 16), fv);
       const int64_t stored = r + (r % 2);
@@ -916,9 +917,9 @@ static void accumulate_bf16(const uint32_t* ppairs, int64_t half, const uint16_t
 // chunks of 32 dims into one sum tile, times scale), softmax_exp over the row's own tokens, its probabilities
 // rounded to pairs with the factor folded in (bf16_pairs), zero past the row's length, and the weighted sum
 // over the same groups of 16 from zero sums (a last partial group's V copied with zeros past S). What the
-// wider tile saves is the work per K/V tile: each loaded for 16 rows (attend_tile's tiles hold 12), two tile
-// configurations for 16 tokens instead of two for every 4, and the scale and the row maximum taken in one
-// pass. qb [16][G][D] bf16 (rows past n ignored); res [n][G][D] fp32; work: scores and probability pairs.
+// wider tile saves is the work per K/V tile: each loaded for 16 rows (attend_tile's tiles hold 12), K walked
+// in spans that the heads after the first read from L1, two tile configurations for 16 tokens instead of two
+// for every 4. qb [n][G][D] bf16; res [n][G][D] fp32; w: the query tiles, scores and probability pairs.
 struct PromptWork {
   simd::avector<float> scores;
   simd::avector<uint32_t> pairs;
