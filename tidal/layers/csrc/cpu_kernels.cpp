@@ -1005,7 +1005,8 @@ TIDAL_AMX_TARGET static void attend_prompt_amx(const uint16_t* qb, int64_t n, co
   }
   // probabilities: per row, the scores times scale and their maximum in one pass (the products scores_bf16_amx
   // stores, kept apart from the subtraction that follows: GCC would fuse the two into one FMA, other bits),
-  // then softmax_exp's passes and bf16_pairs' rounding
+  // then softmax_exp's exponent pass and bf16_pairs' rounding. (Scaling first and calling softmax_exp, which
+  // takes the maximum in a pass of its own: eight 256-token prompts' attention 1.27-1.36 -> 1.51-1.59 ms.)
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t i = 0; i < 16; ++i) {
@@ -1979,9 +1980,8 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
           E* vdst = vc + ((block * Hk + h) * bs + off) * D;
           for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
         }
-        if (block_whole) {
-          // (its K rows written above)
-        } else if (k_pairs) {
+        if (block_whole) continue;  // its K rows written above
+        if (k_pairs) {
           E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
           for (int64_t d = 0; d < D; d += 2) {
             if constexpr (std::is_same<S, E>::value) {
