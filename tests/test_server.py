@@ -438,3 +438,20 @@ def test_bench_serve_reports_every_request(server, tmp_path, capsys):
     assert result["total_output_tokens"] == 16 and result["total_input_tokens"] == 64
     assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_bench_serve_without_streaming_counts_tokens_and_reports_no_latencies(server, tmp_path, capsys):
+    """--no-stream: one JSON reply a request; the tokens come from each reply's usage, and TTFT, TPOT and ITL
+    (nothing arrives before the end) are null rather than a number that was never measured."""
+    from tidal.benchmarks import serve as bench_serve
+    parser = bench_serve.add_arguments(argparse.ArgumentParser())
+    out = tmp_path / "bench.json"
+    args = parser.parse_args(["--base-url", server, "--api-key", API_KEY, "--num-prompts", "3",
+                              "--random-input-len", "16", "--random-output-len", "5", "--seed", "4",
+                              "--no-stream", "--output-json", str(out)])
+    assert bench_serve.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 3 and result["failed"] == 0 and result["stream"] is False
+    assert result["total_output_tokens"] == 15 and result["mean_e2el_ms"] > 0
+    assert result["mean_ttft_ms"] is None and result["p99_tpot_ms"] is None and result["median_itl_ms"] is None
+    assert "n/a (not streamed)" in capsys.readouterr().out

@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
     s.add_argument("--endpoint", default="/v1/completions", help="completions endpoint path")
     s.add_argument("--model", default=None, help="model name in the API (default: the server's first model)")
+    s.add_argument("--no-stream", action="store_true",
+                   help="ask for one JSON reply per request instead of a stream of events: throughput and "
+                        "end-to-end latency only (TTFT, TPOT and ITL are reported as null), to measure what "
+                        "streaming costs the server")
     s.add_argument("--api-key", default=os.environ.get("TIDAL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
                    help="bearer key (default: $TIDAL_API_KEY or $OPENAI_API_KEY)")
     d = parser.add_argument_group("requests (an option that does not apply to the chosen requests is refused)")
@@ -133,12 +137,16 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
 
 
-async def send_request(session, url: str, model: str, request: dict) -> RequestResult:
-    """One streamed completion (the session's timeout bounds it)."""
+async def send_request(session, url: str, model: str, request: dict, stream: bool = True) -> RequestResult:
+    """One completion, streamed or (stream=False) in one reply (the session's timeout bounds it)."""
     body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     result = RequestResult(prompt_len=len(request["prompt_token_ids"]))
     start = last = time.perf_counter()
+    if not stream:
+        return await _send_unstreamed(session, url, body, result, start)
     chunks = 0
     try:
         async with session.post(url, json=body) as response:
@@ -176,6 +184,25 @@ async def send_request(session, url: str, model: str, request: dict) -> RequestR
     return result
 
 
+async def _send_unstreamed(session, url: str, body: dict, result: RequestResult, start: float) -> RequestResult:
+    """send_request's one-reply form: the tokens the reply's usage counts, and its end-to-end time."""
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            reply = await response.json()
+        result.output_tokens = int(reply["usage"]["completion_tokens"])
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal to the run
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = result.output_tokens > 0
+    if not result.ok:
+        result.error = "no tokens generated"
+    return result
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 async def run(args, requests: list[dict]) -> dict:
@@ -197,17 +224,18 @@ async def run(args, requests: list[dict]) -> dict:
                 raise SystemExit(f"tidal bench serve: could not read the served model from {base}/v1/models "
                                  f"({type(e).__name__}: {e})") from e
         url = f"{base}{args.endpoint}"
+        stream = not getattr(args, "no_stream", False)
         probe = await send_request(client, url, model, {"prompt_token_ids": requests[0]["prompt_token_ids"][:16],
-                                                        "max_tokens": 2})
+                                                        "max_tokens": 2}, stream)
         if not probe.ok:
             raise SystemExit(f"tidal bench serve: the test request to {url} failed: {probe.error}")
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def limited(request):
             if semaphore is None:
-                return await send_request(client, url, model, request)
+                return await send_request(client, url, model, request, stream)
             async with semaphore:
-                return await send_request(client, url, model, request)
+                return await send_request(client, url, model, request, stream)
 
         tasks = []
         start = time.perf_counter()
@@ -239,9 +267,11 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
         "total_output_tokens": total_out, "request_throughput": len(done) / duration,
         "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration,
     }
-    summary.update(_dist([r.ttft for r in done], "ttft"))
-    summary.update(_dist(tpot, "tpot"))
-    summary.update(_dist([x for r in done for x in r.itl], "itl"))
+    summary["stream"] = not getattr(args, "no_stream", False)
+    for name, values in (("ttft", [r.ttft for r in done]), ("tpot", tpot), ("itl", [x for r in done for x in r.itl])):
+        # (one reply per request: nothing arrives before the end, so these are not measured)
+        summary.update(_dist(values, name) if summary["stream"] else {f"{k}_{name}_ms": None
+                                                                        for k in ("mean", "median", "p90", "p99")})
     summary.update(_dist([r.e2e for r in done], "e2el"))
     errors = [r.error for r in results if not r.ok]
     if errors:
@@ -265,7 +295,9 @@ def print_report(s: dict, out=None) -> None:
                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         print(f"{' ' + title + ' ':-^{w}}", file=out)
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
-            print(f"{label + ' ' + key.upper() + ' (ms):':<36}{s[f'{stat}_{key}_ms']:>14.2f}", file=out)
+            v = s[f"{stat}_{key}_ms"]
+            print(f"{label + ' ' + key.upper() + ' (ms):':<36}{'n/a (not streamed)' if v is None else f'{v:.2f}':>14}",
+                  file=out)
     print("=" * w, file=out)
     for e in s.get("errors", []):
         print(f"error: {e}", file=out)
