@@ -149,6 +149,23 @@ def test_greedy_bf16_decodes_take_their_tokens_from_the_lm_head_kernel(bf16_chec
     assert plain == sampled
 
 
+def test_greedy_bf16_batches_on_amx_take_their_tokens_without_logits(bf16_checkpoint):
+    """On AMX, the LM head of plain greedy steps of more than 4 bf16 rows finds each row's token without
+    storing the logits (packed_linear_argmax_only), and they are the tokens the sampler's argmax picks from
+    the full logits (a request asking for logprobs); without AMX such steps go to the sampler."""
+    from tidal.layers.cpu_kernels import amx_in_use
+    path, _ = bf16_checkpoint
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(9, 20, 60, 512, seed=7)]
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8)
+    (found, plain), (found_sampled, sampled) = _greedy_twice(llm, prompts)
+    batches = [f for f in found if f is not None and len(f) > 4]
+    assert bool(batches) == amx_in_use()
+    if batches:
+        assert max(len(f) for f in batches) == len(prompts)  # a step of nine rows
+    assert not found_sampled
+    assert plain == sampled
+
+
 def test_greedy_fp32_rows_take_their_tokens_from_the_lm_heads_int8_screen(bf16_checkpoint):
     """With fp32 activations on bf16 weights (dtype auto without native bf16), the LM head holds an int8
     screen and plain greedy steps of any number of rows take their tokens from it (packed_linear_greedy);

@@ -406,6 +406,36 @@ def test_packed_gemm_finds_each_rows_argmax_as_it_stores_the_logits(isa, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(103, 576), (4099, 64), (40, 33), (1000, 2050)])
+def test_amx_greedy_rows_find_the_argmax_of_logits_never_stored(n, k):
+    """Greedy rows of a batch on AMX (packed_linear_argmax_only): each row's argmax is argmax_rows' on the
+    packed product's logits (the first of equal maxima, NaN never winning, a row of NaNs 0, columns past
+    n_valid left out), for any number of rows (5 to 1,030: both of the product's block orders, and the
+    threads' column ranges merged), though the logits are never stored; without AMX it does not run."""
+    torch.manual_seed(1)
+    w = torch.randn(n, k).bfloat16()
+    w[n // 3] = w[n - 2]  # equal rows: equal logits, wherever they are the largest the first wins
+    bias = torch.randn(n).bfloat16()
+    bias[n // 3] = bias[n - 2] = 100  # row 2's largest logit, at n // 3 and (equal) in the last tile
+    bias[1] = float("nan")
+    packed = cpu_kernels.pack_bf16_weight(w)
+    if not cpu_kernels.amx_in_use():
+        assert cpu_kernels.packed_linear_argmax_only(torch.randn(8, k).bfloat16(), packed, n, k, None, n) is None
+        return
+    for rows in (5, 17, 64, 1030):
+        x = torch.randn(rows, k).bfloat16()
+        x[2] = 0  # a row of equal logits (bias None): the first column
+        for b in (bias, None):
+            for n_valid in (n, n - 3, 1):
+                found = cpu_kernels.packed_linear_argmax_only(x, packed, n, k, b, n_valid)
+                logits = cpu_kernels.packed_linear(x, packed, n, k, b)
+                assert found == cpu_kernels.argmax_rows(logits[:, :n_valid].contiguous()), (rows, n_valid)
+                if n_valid == n:  # row 2 (x zero) has the bias for logits: its first largest, or column 0
+                    assert found[2] == (n // 3 if b is bias else 0)
+    nan_bias = torch.full((n,), float("nan")).bfloat16()
+    assert cpu_kernels.packed_linear_argmax_only(torch.randn(6, k).bfloat16(), packed, n, k, nan_bias, n) == [0] * 6
+
+
+@pytest.mark.parametrize("n,k", [(103, 576), (4099, 64), (40, 33), (1000, 2050)])
 def test_greedy_screen_finds_the_packed_products_argmax(isa, n, k):
     """Greedy rows under fp32 activations: the int8 screen's argmax is the first index of the largest of
     the packed fp32 kernel's logits over the first n_valid, for any number of rows: clear winners, exact

@@ -251,6 +251,9 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_gemm_bf16_packed_argmax.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed_argmax.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
                                                   + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64])
+    lib.tidal_gemm_bf16_packed_greedy.restype = ctypes.c_int
+    lib.tidal_gemm_bf16_packed_greedy.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+                                                  + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64])
     lib.tidal_linear_f32_bf16_packed_greedy.restype = ctypes.c_int
     lib.tidal_linear_f32_bf16_packed_greedy.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
                                                         + [ctypes.c_int, ctypes.c_void_p])
@@ -468,6 +471,26 @@ def greedy_screen(weight: torch.Tensor) -> GreedyScreen | None:
                                     screen.a.data_ptr(), screen.b.data_ptr(), torch.get_num_threads()) != 0:
         return None
     return screen
+
+
+def packed_linear_argmax_only(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+                              n_valid: int) -> list[int] | None:
+    """Each row's argmax over the first n_valid outputs of packed_linear(x, packed, n, k, bias) (bf16 x [rows,
+    k], any number of rows), argmax_rows' result on them, without the outputs themselves: the AMX kernel
+    takes each row's largest as it rounds the tiles' sums and stores nothing (greedy sampling's LM head over
+    a batch: [rows, vocabulary] logits that nothing would read). None where it does not apply (no AMX)."""
+    lib = _GEMM_LIB.get()
+    if (lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1
+            or (bias is not None and bias.dtype != torch.bfloat16)):
+        return None
+    x = x.contiguous()
+    rows = x.shape[0]
+    found = _argmax_buffer(rows)
+    bias = None if bias is None else bias.contiguous()
+    if lib.tidal_gemm_bf16_packed_greedy(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                         rows, n, k, torch.get_num_threads(), found[1], n_valid) != 0:
+        return None
+    return found[0].tolist()
 
 
 def packed_linear_greedy(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, screen: GreedyScreen,

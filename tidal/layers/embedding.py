@@ -11,7 +11,14 @@ from tidal.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from tidal.layers.cpu_kernels import GreedyScreen, packed_linear_argmax, packed_linear_greedy, unpack_bf16_rows
+from tidal.layers.cpu_kernels import (
+    SKINNY_MAX_ROWS,
+    GreedyScreen,
+    packed_linear_argmax,
+    packed_linear_argmax_only,
+    packed_linear_greedy,
+    unpack_bf16_rows,
+)
 from tidal.layers.gguf_kernels import gguf_linear
 from tidal.layers.linear import cpu_linear
 from tidal.layers.quantization.gguf import packed_lookup
@@ -81,13 +88,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """Each row's argmax over the vocabulary (greedy sampling: the first index of the largest logit, as
         argmax_rows gives on compute_logits' output), found by the LM head's kernel as it computes the
-        logits, where one does (bf16 weights packed at load, one rank): under bf16 activations for 1-4 rows;
-        under fp32 activations for any number, through the weight's int8 screen (packed_linear_greedy: most
-        logits are never computed); None elsewhere."""
+        logits, where one does (bf16 weights packed at load, one rank): under bf16 activations for 1-4 rows,
+        and for more on AMX (packed_linear_argmax_only: no logits stored); under fp32 activations for any
+        number, through the weight's int8 screen (packed_linear_greedy: most logits are never computed); None
+        elsewhere."""
         packed = getattr(self.weight, "bf16_packed", None)
         if packed is None or self.tp_size > 1 or self.weight_scale is not None or hidden.dim() != 2:
             return None
         if hidden.dtype == torch.float32 and self.greedy_screen is not None:
             return packed_linear_greedy(hidden, self.weight, *packed, self.greedy_screen, self.vocab_size)
+        if hidden.dtype == torch.bfloat16 and hidden.shape[0] > SKINNY_MAX_ROWS:
+            return packed_linear_argmax_only(hidden, self.weight, *packed, None, self.vocab_size)
         found = packed_linear_argmax(hidden, self.weight, *packed, None, self.vocab_size)
         return None if found is None else found[1]

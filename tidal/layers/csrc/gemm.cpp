@@ -806,6 +806,36 @@ static void store_block_silu(const float* c, int64_t rows, const uint16_t* bias,
   }
 }
 
+// Greedy rows (gemm's argmax): a thread's running argmax of each row of x over the columns it has computed,
+// in the order it computes them (ascending, for a row: see gemm)
+struct RowArgmax {
+  float* val;     // [M]: the largest output so far, as stored (rounded)
+  int64_t* idx;   // [M]: its column, -1 while none (every one NaN so far)
+  int64_t n_valid;  // columns from here on are left out (a padded vocabulary)
+};
+
+// rows [m0, m0 + rows) of the fp32 sums c (32 columns a row, nb tiles from column n0) plus bias, rounded as
+// store_block rounds them, into each row's running argmax: the first column of the largest, NaN never
+// winning, as argmax_rows finds it on the stored outputs
+static void argmax_block(const float* c, int64_t rows, int nb, const uint16_t* bias, int64_t N, int64_t m0,
+                         int64_t n0, RowArgmax& a) {
+  for (int j = 0; j < nb; ++j) {  // (a row's first tile before its second: ascending columns)
+    const int64_t n = n0 + 16 * j;
+    if (n >= a.n_valid) break;
+    const __mmask16 valid = (__mmask16)((1u << std::min<int64_t>(16, a.n_valid - n)) - 1);
+    const __m512 b = load_bias(bias, n, (__mmask16)((1u << std::min<int64_t>(16, N - n)) - 1));
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(_mm512_loadu_ps(c + r * 32 + 16 * j), b), 16));
+      const __mmask16 ord = valid & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+      if (!ord) continue;
+      const float top = _mm512_mask_reduce_max_ps(ord, v);
+      const unsigned first = (unsigned)__builtin_ctz(ord & _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ));
+      const int64_t row = m0 + r;
+      if (a.idx[row] < 0 || top > a.val[row]) a.val[row] = top, a.idx[row] = n + first;
+    }
+  }
+}
+
 // One 32 x 32 block of the output through the tiles, with the epilogue of the block before overlapped:
 // the sums of block (g, t0) (rb groups of 16 rows of x, nb weight tiles) go to the tiles; between their
 // chunks, the block before's sums (waiting in the other half of c) are rounded and stored, a few rows at a
@@ -816,6 +846,7 @@ struct BlockPipe {
   int pend_nb = 2, parity = 0;
   bool stream = false;  // store_block's
   int64_t silu_cols = 0;  // > 0: the blocks are (gate, up) tile pairs, stored by store_block_silu
+  RowArgmax* amax = nullptr;  // greedy rows: each block's outputs go into the rows' argmax (and out, if any)
   // bytes to bring into L2 meanwhile (prefetch_pair): two ranges, ahead_lines lines of them after each chunk
   const char* ahead[2] = {nullptr, nullptr};
   const char* ahead_end[2] = {nullptr, nullptr};
@@ -872,8 +903,9 @@ struct BlockPipe {
   void flush_rows(int64_t r0, int64_t r1, const uint16_t* bias, uint16_t* out, int64_t N) {
     const float* cb = c[parity ^ 1] + r0 * 32;
     const int64_t m0 = 16 * pend_g + r0;
+    if (amax) argmax_block(cb, r1 - r0, pend_nb, bias, N, m0, 16 * pend_t0, *amax);
     if (silu_cols > 0) store_block_silu(cb, r1 - r0, bias, out, silu_cols, m0, 16 * pend_t0);
-    else store_block(cb, r1 - r0, pend_nb, bias, out, N, m0, 16 * pend_t0, stream);
+    else if (out) store_block(cb, r1 - r0, pend_nb, bias, out, N, m0, 16 * pend_t0, stream);
   }
 
   // the waiting block's outputs, if any
@@ -902,10 +934,17 @@ struct BlockPipe {
 // silu: W is a gate/up product's [gate; up] (N = 2 I, I a multiple of 16), and out [M, I] gets silu(gate) *
 // up (store_block_silu): a thread's blocks pair gate tile j with up tile I / 16 + j instead of tiles 2j
 // and 2j + 1, so each block holds the two halves of 16 outputs; the product's own output is never stored.
+//
+// argmax (greedy rows; not with silu): argmax[m] = the first column < n_valid of row m's largest output as
+// stored (NaN never wins; 0 when all are NaN), argmax_rows' result on out[:, :n_valid]; out may then be null
+// (nothing stored: an LM head's rows that only sample greedily). Each thread keeps every row's argmax over
+// its own columns (its tile pairs are consecutive, the lower threads' below its own, and it reaches a row's
+// pairs in ascending order in either order above), and the threads' are merged in thread order.
 static constexpr int64_t kRowsWide = 1024;
 
 TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uint16_t* bias, uint16_t* out,
-                                  int64_t M, int num_threads, bool silu = false) {
+                                  int64_t M, int num_threads, bool silu = false, int64_t* argmax = nullptr,
+                                  int64_t n_valid = 0) {
   const int64_t N = w.N, K = w.K, chunks = (K + 31) / 32, Kp = chunks * 32;
   const int64_t tiles = (N + 15) / 16, pairs_of_tiles = (tiles + 1) / 2, groups = (M + 15) / 16;
   // tile pair tp: tiles first(tp) and second(tp) (the second is first's unless nb(tp) == 2)
@@ -925,6 +964,8 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
   // the second order needs each tile in place (a packed weight whose K is a multiple of 32)
   const bool wide = M >= kRowsWide && w.kind == Weights::PACKED && K % 32 == 0;
   const int64_t pairs_per_group = std::max<int64_t>(1, (512 * 1024) / (chunks * 2048));
+  std::vector<float> amax_val(argmax ? size_t(num_threads) * M : 0);
+  std::vector<int64_t> amax_idx(argmax ? size_t(num_threads) * M : 0, -1);
 #pragma omp parallel num_threads(num_threads)
   {
     configure();
@@ -934,6 +975,9 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
     pipe.stream = wide && !silu;
     pipe.silu_cols = silu ? N / 2 : 0;
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    RowArgmax amax{argmax ? amax_val.data() + size_t(tid) * M : nullptr,
+                   argmax ? amax_idx.data() + size_t(tid) * M : nullptr, std::min(n_valid, N)};
+    if (argmax) pipe.amax = &amax;
     const int64_t p_begin = pairs_of_tiles * tid / nth, p_end = pairs_of_tiles * (tid + 1) / nth;
     for (int64_t g0 = 0; g0 < groups; g0 += panel) {
       const int64_t g1 = std::min(groups, g0 + panel);
@@ -973,6 +1017,17 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
     pipe.flush(bias, out, N);
     if (wide) _mm_sfence();  // the streamed rows visible before the threads join
     release();
+  }
+  if (argmax) {
+    for (int64_t m = 0; m < M; ++m) {
+      float best = 0.f;
+      int64_t at = -1;
+      for (int t = 0; t < num_threads; ++t) {  // thread order: column order
+        const int64_t i = amax_idx[size_t(t) * M + m];
+        if (i >= 0 && (at < 0 || amax_val[size_t(t) * M + m] > best)) best = amax_val[size_t(t) * M + m], at = i;
+      }
+      argmax[m] = at < 0 ? 0 : at;
+    }
   }
 }
 
@@ -1637,6 +1692,24 @@ int tidal_gemm_bf16_packed_silu(const void* x, const void* wpk, const void* bias
   return 0;
 #else
   (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+
+// Greedy rows on the AMX tiles: argmax[m] for each row of x [M, K] (bf16, any M >= 1) against the packed
+// weight of [N, K] (plus bias, or null), the first column < n_valid of the row's largest output: what
+// tidal_argmax_rows gives on tidal_gemm_bf16_packed's output [:, :n_valid], found as the tiles' sums are
+// rounded, without storing that output (an LM head's [M, vocabulary] logits, a few MB that nothing reads
+// when every row samples greedily). Returns -1 (nothing run) without AMX.
+int tidal_gemm_bf16_packed_greedy(const void* x, const void* wpk, const void* bias, int64_t M, int64_t N, int64_t K,
+                                  int num_threads, int64_t* argmax, int64_t n_valid) {
+#if defined(__AVX512BF16__)
+  if (M < 1 || n_valid < 1 || !amx::usable()) return -1;
+  amx::gemm(static_cast<const uint16_t*>(x), amx::Weights{amx::Weights::PACKED, wpk, {nullptr, 0}, N, K},
+            static_cast<const uint16_t*>(bias), nullptr, M, num_threads, false, argmax, n_valid);
+  return 0;
+#else
+  (void)x; (void)wpk; (void)bias; (void)M; (void)N; (void)K; (void)num_threads; (void)argmax; (void)n_valid;
   return -1;
 #endif
 }
