@@ -2002,77 +2002,111 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
 
 // RMSNorm over rows of H, optionally after adding a residual, matching the reference computation:
 // s = round(x + residual) (kept as the new residual); y = round(s * rsqrt(mean(s^2) + eps)); out = round(w * y).
-template <int DT>
-static void rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
-                     int64_t T, int64_t H, float eps, int num_threads) {
+// A row's sum of squares is one chain of FMAs (16 partial sums, element i into sum i % 16) and then a serial
+// sum: latency, not throughput. Rows go RN at a time, their chains side by side (each row's arithmetic the
+// same, in the same order): 2,048 rows of 576 on two threads of the AMX Xeon 240 -> ~100 us.
+template <int DT, int RN>
+static void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
+                          int64_t t0, int64_t H, float eps, float* rows) {
 #if defined(TIDAL_VEC)
   constexpr bool VEC = DT == kF32 || DT == kBF16;  // (fp16 rows: the scalar loops)
 #endif
+  int64_t kv = 0;  // where the vector loops stop (the scalar ones take the rest)
+#if defined(TIDAL_VEC)
+  if constexpr (VEC) kv = H / W * W;
+#endif
+  for (int q = 0; q < RN; ++q) {
+    const int64_t base = (t0 + q) * H;
+    float* r = rows + q * H;
+    int64_t k = 0;
+#if defined(TIDAL_VEC)
+    if constexpr (VEC) {
+      for (; k < kv; k += W) {
+        vf v = loadv<DT>(x, base + k);
+        if (residual != nullptr) {
+          v = simd::add(v, loadv<DT>(residual, base + k));
+          storev<DT>(residual_out, base + k, v);
+          if constexpr (DT == kBF16) v = simd::round_bf16(v);  // the rounded sum, as stored
+        }
+        simd::store(r + k, v);
+      }
+    }
+#endif
+    for (; k < H; ++k) {
+      r[k] = load1<DT>(x, base + k);
+      if (residual != nullptr) {
+        store1<DT>(residual_out, base + k, r[k] + load1<DT>(residual, base + k));
+        r[k] = load1<DT>(residual_out, base + k);  // the rounded sum, as the reference keeps it
+      }
+    }
+  }
+  // sum of squares: 16 partial sums (element i into sum i % 16), added in order, then the tail
+  alignas(64) float partial[RN][16] = {};
+  const int64_t i16 = H / 16 * 16;
+#if defined(TIDAL_VEC)
+  {
+    vf acc[RN][16 / W];
+    for (int q = 0; q < RN; ++q)
+      for (int j = 0; j < 16 / W; ++j) acc[q][j] = simd::zero();
+    for (int64_t i = 0; i < i16; i += 16)
+      for (int q = 0; q < RN; ++q)
+        for (int j = 0; j < 16 / W; ++j) {
+          const vf v = simd::load(rows + q * H + i + j * W);
+          acc[q][j] = simd::fmadd(v, v, acc[q][j]);
+        }
+    for (int q = 0; q < RN; ++q)
+      for (int j = 0; j < 16 / W; ++j) simd::store(partial[q] + j * W, acc[q][j]);
+  }
+#else
+  for (int64_t i = 0; i < i16; i += 16)
+    for (int q = 0; q < RN; ++q)
+      for (int j = 0; j < 16; ++j) partial[q][j] += rows[q * H + i + j] * rows[q * H + i + j];
+#endif
+  float ss[RN] = {};
+  for (int j = 0; j < 16; ++j)
+    for (int q = 0; q < RN; ++q) ss[q] += partial[q][j];
+  for (int q = 0; q < RN; ++q) {
+    const float* r = rows + q * H;
+    for (int64_t i = i16; i < H; ++i) ss[q] += r[i] * r[i];
+  }
+  for (int q = 0; q < RN; ++q) {
+    const int64_t base = (t0 + q) * H;
+    const float* r = rows + q * H;
+    const float inv = 1.f / std::sqrt(ss[q] / static_cast<float>(H) + eps);
+    int64_t k = 0;
+#if defined(TIDAL_VEC)
+    if constexpr (VEC) {
+      const vf iv = simd::set1(inv);
+      for (; k < kv; k += W) {
+        vf y = simd::mul(simd::load(r + k), iv);
+        if constexpr (DT == kBF16) y = simd::round_bf16(y);
+        storev<DT>(out, base + k, simd::mul(loadv<DT>(weight, k), y));
+      }
+    }
+#endif
+    for (; k < H; ++k) {
+      float y = r[k] * inv;
+      if (DT != kF32) { store1<DT>(out, base + k, y); y = load1<DT>(out, base + k); }
+      store1<DT>(out, base + k, load1<DT>(weight, k) * y);
+    }
+  }
+}
+
+template <int DT>
+static void rms_norm(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
+                     int64_t T, int64_t H, float eps, int num_threads) {
+  constexpr int RN = 4;
+  const int64_t groups = (T + RN - 1) / RN;
 #pragma omp parallel num_threads(num_threads) if (T * H > 16384)  // a few decode rows: not worth waking threads
   {
-    std::vector<float> row(H);
+    simd::avector<float> rows(RN * H);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t base = t * H;
-      float* r = row.data();
-      int64_t k = 0;
-#if defined(TIDAL_VEC)
-      if constexpr (VEC) {
-        for (; k + W <= H; k += W) {
-          vf v = loadv<DT>(x, base + k);
-          if (residual != nullptr) {
-            v = simd::add(v, loadv<DT>(residual, base + k));
-            storev<DT>(residual_out, base + k, v);
-            if constexpr (DT == kBF16) v = simd::round_bf16(v);  // the rounded sum, as stored
-          }
-          simd::store(r + k, v);
-        }
-      }
-#endif
-      for (; k < H; ++k) {
-        r[k] = load1<DT>(x, base + k);
-        if (residual != nullptr) {
-          store1<DT>(residual_out, base + k, r[k] + load1<DT>(residual, base + k));
-          r[k] = load1<DT>(residual_out, base + k);  // the rounded sum, as the reference keeps it
-        }
-      }
-      // sum of squares: 16 partial sums (element i into sum i % 16), added in order, then the tail
-      alignas(64) float partial[16] = {0.f};
-      int64_t i = 0;
-#if defined(TIDAL_VEC)
-      {
-        vf acc[16 / W];
-        for (int j = 0; j < 16 / W; ++j) acc[j] = simd::zero();
-        for (; i + 16 <= H; i += 16)
-          for (int j = 0; j < 16 / W; ++j) {
-            const vf v = simd::load(r + i + j * W);
-            acc[j] = simd::fmadd(v, v, acc[j]);
-          }
-        for (int j = 0; j < 16 / W; ++j) simd::store(partial + j * W, acc[j]);
-      }
-#else
-      for (; i + 16 <= H; i += 16)
-        for (int j = 0; j < 16; ++j) partial[j] += r[i + j] * r[i + j];
-#endif
-      float ss = 0.f;
-      for (int j = 0; j < 16; ++j) ss += partial[j];
-      for (; i < H; ++i) ss += r[i] * r[i];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-      k = 0;
-#if defined(TIDAL_VEC)
-      if constexpr (VEC) {
-        const vf iv = simd::set1(inv);
-        for (; k + W <= H; k += W) {
-          vf y = simd::mul(simd::load(r + k), iv);
-          if constexpr (DT == kBF16) y = simd::round_bf16(y);
-          storev<DT>(out, base + k, simd::mul(loadv<DT>(weight, k), y));
-        }
-      }
-#endif
-      for (; k < H; ++k) {
-        float y = r[k] * inv;
-        if (DT != kF32) { store1<DT>(out, base + k, y); y = load1<DT>(out, base + k); }
-        store1<DT>(out, base + k, load1<DT>(weight, k) * y);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t t0 = g * RN;
+      if (t0 + RN <= T) {
+        rms_norm_rows<DT, RN>(x, residual, weight, out, residual_out, t0, H, eps, rows.data());
+      } else {
+        for (int64_t t = t0; t < T; ++t) rms_norm_rows<DT, 1>(x, residual, weight, out, residual_out, t, H, eps, rows.data());
       }
     }
   }
