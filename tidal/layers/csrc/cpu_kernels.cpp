@@ -2003,8 +2003,9 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
 // RMSNorm over rows of H, optionally after adding a residual, matching the reference computation:
 // s = round(x + residual) (kept as the new residual); y = round(s * rsqrt(mean(s^2) + eps)); out = round(w * y).
 // A row's sum of squares is one chain of FMAs (16 partial sums, element i into sum i % 16) and then a serial
-// sum: latency, not throughput. Rows go RN at a time, their chains side by side (each row's arithmetic the
-// same, in the same order): 2,048 rows of 576 on two threads of the AMX Xeon 240 -> ~100 us.
+// sum, each waiting on the one before. Rows go RN at a time, their chains side by side (each row's arithmetic
+// the same, in the same order): on two threads of the AMX Xeon 64 rows of 576 14.4 -> 11.9 us, 2,048 rows
+// 240 -> 222 us (there the ~14 MB the rows read and write through L3 bound it).
 template <int DT, int RN>
 static void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out, void* residual_out,
                           int64_t t0, int64_t H, float eps, float* rows) {
