@@ -9,6 +9,8 @@ makes), on the same model folder, and print one line per rate (and the ratios wh
         --output-len 128 --cpu      # and the CPU seconds each server process and the client used per run
     python benchmarks/serve_sweep.py --engines vllm tidal --rates inf --num-prompts 64 --input-len 256 \
         --output-len 128 --repeat 3  # three rounds, a fresh server each; the ratios' median over them
+    python benchmarks/serve_sweep.py --engines vllm tidal --rates inf --num-prompts 64 --input-len 256 \
+        --output-len 128 --no-stream  # one reply per request: what streaming costs each server
 
 On a shared or virtual machine one pair of runs can move by 10-20% either way (another tenant, the
 guest's memory); `--repeat N` runs the engines N times, one after the other in the order given, each round
@@ -38,11 +40,17 @@ KEYS = [("output_throughput", "out tok/s"), ("mean_ttft_ms", "TTFT ms"), ("p99_t
 
 def ratios(rounds: list[dict[str, dict[str, dict]]], rates: list[str], num: str = "tidal",
            den: str = "vllm") -> dict[str, dict[str, list[float]]]:
-    """{rate: {key: [num / den in each round]}} for each of KEYS, from rounds of {engine: {rate: result}}."""
+    """{rate: {key: [num / den in each round]}} for each of KEYS, from rounds of {engine: {rate: result}};
+    a key a run did not measure (null: TTFT and TPOT without streaming) has no ratios."""
     out: dict[str, dict[str, list[float]]] = {}
     for rate in rates:
-        out[rate] = {k: [r[num][rate][k] / r[den][rate][k] for r in rounds] for k, _ in KEYS}
+        out[rate] = {k: [r[num][rate][k] / r[den][rate][k] for r in rounds
+                         if r[num][rate][k] is not None and r[den][rate][k] is not None] for k, _ in KEYS}
     return out
+
+
+def _value(v: float | None, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
 
 
 def median(values: list[float]) -> float:
@@ -85,6 +93,9 @@ def main() -> int:
     ap.add_argument("--vllm-args", default="", help="more flags of vLLM's server, e.g. '--kv-cache-dtype fp8'")
     ap.add_argument("--cpu", action="store_true",
                     help="print the CPU seconds each process of the server and the client used in each run")
+    ap.add_argument("--no-stream", action="store_true",
+                    help="send the runs' requests without streaming (`tidal bench serve --no-stream`): throughput and "
+                         "E2E only, for what streaming costs each server")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of every engine (fresh servers each round); the ratios' median is printed")
     args = ap.parse_args()
@@ -110,21 +121,23 @@ def main() -> int:
                 # each run draws its own prompts (seed): a prompt seen before would hit the prefix cache
                 runs = sweep.sweep(server.url, [float(r) for r in args.rates], num_prompts=args.num_prompts,
                                    input_len=args.input_len, output_len=args.output_len, progress=progress,
-                                   cpu_of=server.proc.pid if args.cpu else None)
+                                   cpu_of=server.proc.pid if args.cpu else None, stream=not args.no_stream)
             results[engine] = dict(zip(args.rates, runs))
         rounds.append(results)
         if args.repeat > 1:
             print(f"round {n + 1} of {args.repeat}")
         for engine, per_rate in results.items():
             for rate, r in per_rate.items():
-                print(f"{engine:10s} rate {rate:>4s}: " + ", ".join(f"{label} {r[k]:.1f}" for k, label in KEYS))
+                print(f"{engine:10s} rate {rate:>4s}: " + ", ".join(f"{label} {_value(r[k], '.1f')}"
+                                                                   for k, label in KEYS))
                 for name, seconds in r.get("cpu_seconds", {}).items():
                     print(f"{'':10s}   CPU {seconds:7.2f} s  {name}")
         if both:
             print("tidal / vllm (throughput: higher is better; latencies: lower is better)")
             last = ratios([results], args.rates)
             for rate in args.rates:
-                print(f"rate {rate:>4s}: " + ", ".join(f"{label} {last[rate][k][0]:.2f}x" for k, label in KEYS))
+                print(f"rate {rate:>4s}: " + ", ".join(
+                    f"{label} {last[rate][k][0]:.2f}x" if last[rate][k] else f"{label} n/a" for k, label in KEYS))
         sys.stdout.flush()
     if both and args.repeat > 1:
         print(f"tidal / vllm, median of {args.repeat} rounds (and the range)")
@@ -132,7 +145,7 @@ def main() -> int:
         for rate in args.rates:
             print(f"rate {rate:>4s}: " + ", ".join(
                 f"{label} {median(per[rate][k]):.2f}x ({min(per[rate][k]):.2f}-{max(per[rate][k]):.2f})"
-                for k, label in KEYS))
+                if per[rate][k] else f"{label} n/a" for k, label in KEYS))
     print("RESULT " + json.dumps(rounds[0] if args.repeat == 1 else {"rounds": rounds}))
     return 0
 

@@ -57,8 +57,8 @@ def _fake_sweep(monkeypatch, fail_at: int | None = None, error: BaseException | 
         events.append("start")
         return servers[-1]
 
-    def run_rate(url, rate, *, num_prompts, input_len, output_len, seed, vocab_size=None):
-        assert url == servers[-1].url
+    def run_rate(url, rate, *, num_prompts, input_len, output_len, seed, vocab_size=None, stream=True):
+        assert url == servers[-1].url and stream  # calibration measures streamed latencies
         events.append(("run", rate, num_prompts, seed))
         if fail_at is not None and len([e for e in events if e[0] == "run"]) == fail_at:
             raise error

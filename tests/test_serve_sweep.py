@@ -59,6 +59,33 @@ def test_repeat_runs_every_engine_on_fresh_servers_each_round(monkeypatch, capsy
     assert [r["tidal"]["inf"]["output_throughput"] for r in result["rounds"]] == [900.0, 800.0, 700.0]
 
 
+def test_no_stream_passes_on_and_prints_no_latency_ratios(monkeypatch, capsys):
+    """--no-stream: the runs go without streaming, and the latencies such runs do not measure (null) print
+    as n/a, with no ratio, while the throughput's ratio stands."""
+    asked = []
+
+    @contextlib.contextmanager
+    def serving(cmd, port, name, env=None):
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=SimpleNamespace(pid=0))
+
+    def fake_sweep(url, rates, stream=True, **kw):
+        asked.append(stream)
+        r = dict(_result(900.0 if len(asked) % 2 == 0 else 600.0, 100.0), mean_ttft_ms=None, p99_ttft_ms=None,
+                 mean_tpot_ms=None)
+        return [r for _ in rates]
+
+    monkeypatch.setattr(serve_sweep.sweep, "serving", serving)
+    monkeypatch.setattr(serve_sweep.sweep, "sweep", fake_sweep)
+    monkeypatch.setattr(serve_sweep.sweep, "free_port", lambda: 12345)
+    monkeypatch.setattr(serve_sweep.shutil, "which", lambda path: path)
+    monkeypatch.setattr(sys, "argv", ["serve_sweep.py", "--engines", "vllm", "tidal", "--rates", "inf",
+                                      "--no-stream", "--repeat", "2"])
+    assert serve_sweep.main() == 0
+    out = capsys.readouterr().out
+    assert asked == [False] * 4
+    assert "TTFT ms n/a" in out and "out tok/s 1.50x (1.50-1.50)" in out and "p99 E2E ms 1.00x" in out
+
+
 def test_repeat_below_one_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["serve_sweep.py", "--repeat", "0"])
     with pytest.raises(SystemExit):

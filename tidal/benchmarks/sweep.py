@@ -146,12 +146,13 @@ def serving(cmd: Sequence[str], port: int, name: str = "tidal", env: dict | None
 
 
 def run_rate(url: str, rate: float, *, num_prompts: int, input_len: int, output_len: int, seed: int,
-             vocab_size: int | None = None) -> dict:
+             vocab_size: int | None = None, stream: bool = True) -> dict:
     """One `tidal bench serve` run against the server at `url` (run here, in this process: its options
     parsed by its own parser, so every default is the command's): `num_prompts` random prompts of
     `input_len` token ids (below `vocab_size` when given), `output_len` out, arriving at `rate` req/s
     (Poisson; inf: all at once), requests and arrivals drawn with `seed`. Returns its results (the JSON
     `--output-json` writes; with `vocab_size` when given, so the same requests can be drawn again).
+    stream=False sends them with `--no-stream` (one reply each: no TTFT, TPOT or ITL).
     Raises SweepError if the server cannot be reached or a request fails."""
     from tidal.benchmarks import serve
     argv = ["--base-url", url, "--dataset", "random", "--random-input-len", str(input_len),
@@ -159,6 +160,8 @@ def run_rate(url: str, rate: float, *, num_prompts: int, input_len: int, output_
             "--seed", str(seed)]
     if vocab_size is not None:
         argv += ["--vocab-size", str(vocab_size)]
+    if not stream:
+        argv.append("--no-stream")
     args = serve.add_arguments(argparse.ArgumentParser(prog="tidal bench serve")).parse_args(argv)
     try:
         result = asyncio.run(serve.run(args, serve.build_requests(args)))
@@ -209,11 +212,11 @@ def cpu_split(server_pid: int) -> Iterator[dict[str, float]]:
 
 def sweep(url: str, rates: Sequence[float], *, num_prompts: int, input_len: int, output_len: int,
           vocab_size: int | None = None, progress: Callable[[str], None] | None = None,
-          cpu_of: int | None = None) -> list[dict]:
+          cpu_of: int | None = None, stream: bool = True) -> list[dict]:
     """The sweep's runs against one server: the warm-up (not returned), then each rate in order, run i
     with sweep_seed(i). Returns each rate's `tidal bench serve` results; `progress` gets a line as each run
     starts and ends. With `cpu_of` (the server's process id) each result also holds `cpu_seconds`, the
-    run's cpu_split."""
+    run's cpu_split. stream=False: the runs (not the warm-up) without streaming (run_rate)."""
     say = progress or (lambda line: None)
     lens = dict(input_len=input_len, output_len=output_len, vocab_size=vocab_size)
     t0 = time.perf_counter()
@@ -225,10 +228,11 @@ def sweep(url: str, rates: Sequence[float], *, num_prompts: int, input_len: int,
         say(f"rate {rate:g} req/s ({i + 1} of {len(rates)}): {num_prompts} requests of {input_len} tokens, "
             f"{output_len} out, seed {sweep_seed(i)}")
         with cpu_split(cpu_of) if cpu_of is not None else contextlib.nullcontext() as cpu:
-            r = run_rate(url, rate, num_prompts=num_prompts, seed=sweep_seed(i), **lens)
+            r = run_rate(url, rate, num_prompts=num_prompts, seed=sweep_seed(i), stream=stream, **lens)
         if cpu is not None:
             r["cpu_seconds"] = cpu
-        say(f"rate {rate:g} req/s done in {r['duration']:.1f} s: {r['output_throughput']:.1f} output tok/s, "
-            f"mean TTFT {r['mean_ttft_ms']:.1f} ms, mean TPOT {r['mean_tpot_ms']:.2f} ms")
+        latency = (f"mean TTFT {r['mean_ttft_ms']:.1f} ms, mean TPOT {r['mean_tpot_ms']:.2f} ms" if stream
+                   else f"mean E2E {r['mean_e2el_ms']:.1f} ms (not streamed)")
+        say(f"rate {rate:g} req/s done in {r['duration']:.1f} s: {r['output_throughput']:.1f} output tok/s, {latency}")
         results.append(r)
     return results
