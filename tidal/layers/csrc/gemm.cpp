@@ -683,8 +683,11 @@ TIDAL_AMX_TARGET static void release() { _tile_release(); }
 // takes them out). between(ch) runs after chunk ch's products are issued: vector work (the block before's
 // epilogue, a few rows a chunk) that the core does while the tiles compute. Spread over the chunks, it
 // overlaps them; run whole after the block, its instructions queued behind the tile instructions and
-// overlapped far less (docs/cpu.md: gate/up with SiLU at 2,048 rows 3.5 -> 3.1 ms)
-template <int RB, int NB, class Between>
+// overlapped far less (docs/cpu.md: gate/up with SiLU at 2,048 rows 3.5 -> 3.1 ms).
+// STREAM_B: the weight tiles are loaded with TILELOADDT1 (kept out of L1): where a block of x stays in L1
+// for a group of weight pairs that come from L2 (gemm's wide order), the weights no longer evict it, and only
+// they come from L2 (30 layers of SmolLM2's products at 2,048 rows 194-197 -> 158-164 ms on the AMX Xeon)
+template <int RB, int NB, bool STREAM_B, class Between>
 TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
                                         const uint32_t* b1, int64_t chunks, Between&& between) {
   _tile_zero(0);
@@ -693,10 +696,12 @@ TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, 
   if (RB > 1 && NB > 1) _tile_zero(3);
   for (int64_t ch = 0; ch < chunks; ++ch) {
     _tile_loadd(4, a0 + ch * 32, lda * 2);
-    _tile_loadd(6, b0 + ch * 256, 64);
+    if constexpr (STREAM_B) _tile_stream_loadd(6, b0 + ch * 256, 64);
+    else _tile_loadd(6, b0 + ch * 256, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (NB > 1) {
-      _tile_loadd(7, b1 + ch * 256, 64);
+      if constexpr (STREAM_B) _tile_stream_loadd(7, b1 + ch * 256, 64);
+      else _tile_loadd(7, b1 + ch * 256, 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if (RB > 1) {
@@ -845,6 +850,7 @@ struct BlockPipe {
   int64_t pend_g = -1, pend_t0 = 0, pend_rows = 0;
   int pend_nb = 2, parity = 0;
   bool stream = false;  // store_block's
+  bool stream_weights = false;  // tile_block's STREAM_B
   int64_t silu_cols = 0;  // > 0: the blocks are (gate, up) tile pairs, stored by store_block_silu
   RowArgmax* amax = nullptr;  // greedy rows: each block's outputs go into the rows' argmax (and out, if any)
   // bytes to bring into L2 meanwhile (prefetch_pair): two ranges, ahead_lines lines of them after each chunk
@@ -862,6 +868,15 @@ struct BlockPipe {
     ahead[0] = tiles + t0 * tile_bytes, ahead_end[0] = ahead[0] + tile_bytes;
     ahead[1] = tiles + std::max<int64_t>(t1, 0) * tile_bytes, ahead_end[1] = ahead[1] + (t1 >= 0 ? tile_bytes : 0);
     ahead_lines = (int)std::min(kAheadLines, (2 * tile_bytes / 64 + calls - 1) / calls);
+  }
+
+  template <bool STREAM_B, class Between>
+  TIDAL_AMX_TARGET static void blocks(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
+                                      const uint32_t* b1, int64_t chunks, int rb, int nb, Between& between) {
+    if (rb == 2 && nb == 2) tile_block<2, 2, STREAM_B>(a0, a1, lda, b0, b1, chunks, between);
+    else if (rb == 2) tile_block<2, 1, STREAM_B>(a0, a1, lda, b0, b1, chunks, between);
+    else if (nb == 2) tile_block<1, 2, STREAM_B>(a0, a1, lda, b0, b1, chunks, between);
+    else tile_block<1, 1, STREAM_B>(a0, a1, lda, b0, b1, chunks, between);
   }
 
   TIDAL_AMX_TARGET void run(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
@@ -884,10 +899,8 @@ struct BlockPipe {
         }
       }
     };
-    if (rb == 2 && nb == 2) tile_block<2, 2>(a0, a1, lda, b0, b1, chunks, between);
-    else if (rb == 2) tile_block<2, 1>(a0, a1, lda, b0, b1, chunks, between);
-    else if (nb == 2) tile_block<1, 2>(a0, a1, lda, b0, b1, chunks, between);
-    else tile_block<1, 1>(a0, a1, lda, b0, b1, chunks, between);
+    if (stream_weights) blocks<true>(a0, a1, lda, b0, b1, chunks, rb, nb, between);
+    else blocks<false>(a0, a1, lda, b0, b1, chunks, rb, nb, between);
     if (pend_g >= 0 && done < pend_rows) flush_rows(done, pend_rows, bias, out, N);
     pend_g = -1;
     float* cur = c[parity];
@@ -925,11 +938,13 @@ struct BlockPipe {
 //   added up: 30 layers of SmolLM2's products at 128 rows, weights from memory, 14.5-15.7 -> 12.4-13.7 ms,
 //   docs/cpu.md);
 // - more: a thread's pairs go in groups of ~512 KiB of weights (in L2), and each block of rows runs over a
-//   group's pairs (the block in L1), so that a row's outputs are written in runs of the group's columns
-//   rather than 64 bytes at a time down the rows, and streamed around the caches (they are far larger
-//   than L2). Measured on the AMX Xeon (30 layers of SmolLM2's products, weights not in the caches,
-//   docs/cpu.md): 4,096 rows 460 -> 405 ms, 3,072 rows 315 -> 290 ms, then streamed 4,096 rows 410 ->
-//   355 ms (300 ms without storing the outputs at all); 256 rows 30 -> 33 ms (the first order kept there).
+//   group's pairs (the block in L1, the weight tiles loaded around L1: tile_block's STREAM_B), so that a
+//   row's outputs are written in runs of the group's columns rather than 64 bytes at a time down the rows,
+//   and from kRowsStreamed rows streamed around the caches (they are far larger than L2). Measured on the
+//   AMX Xeon (30 layers of SmolLM2's products, weights not in the caches, docs/cpu.md): 4,096 rows 460 ->
+//   405 ms, 3,072 rows 315 -> 290 ms, then streamed 4,096 rows 410 -> 355 ms (300 ms without storing the
+//   outputs at all); with the weight tiles around L1, 512 rows 51.3 -> 48.8-50.1 ms and 768 rows 75.2 ->
+//   66.6-72.7 ms against the first order, 256 rows 28.2 -> 29.6 ms (the first order kept there).
 //
 // silu: W is a gate/up product's [gate; up] (N = 2 I, I a multiple of 16), and out [M, I] gets silu(gate) *
 // up (store_block_silu): a thread's blocks pair gate tile j with up tile I / 16 + j instead of tiles 2j
@@ -940,7 +955,8 @@ struct BlockPipe {
 // (nothing stored: an LM head's rows that only sample greedily). Each thread keeps every row's argmax over
 // its own columns (its tile pairs are consecutive, the lower threads' below its own, and it reaches a row's
 // pairs in ascending order in either order above), and the threads' are merged in thread order.
-static constexpr int64_t kRowsWide = 1024;
+static constexpr int64_t kRowsWide = 512;
+static constexpr int64_t kRowsStreamed = 1024;
 
 TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uint16_t* bias, uint16_t* out,
                                   int64_t M, int num_threads, bool silu = false, int64_t* argmax = nullptr,
@@ -972,7 +988,8 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
     simd::avector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
     simd::avector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
     BlockPipe pipe;
-    pipe.stream = wide && !silu;
+    pipe.stream = wide && !silu && M >= kRowsStreamed;
+    pipe.stream_weights = wide;
     pipe.silu_cols = silu ? N / 2 : 0;
     const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
     RowArgmax amax{argmax ? amax_val.data() + size_t(tid) * M : nullptr,
