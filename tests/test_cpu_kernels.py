@@ -744,45 +744,6 @@ def test_decode_only_batches_equal_decodes_beside_a_prompt_chunk(cache_dtype, hq
     torch.testing.assert_close(alone, reference, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
-@pytest.mark.parametrize("hq,hk,d,bs", [(9, 3, 64, 16), (8, 2, 32, 32), (12, 2, 64, 16)])
-@pytest.mark.parametrize("shared", [False, True])
-def test_attention_that_writes_the_steps_rows_equals_write_kv_then_attention(dtype, cache_dtype, hq, hk, d, bs,
-                                                                             shared):
-    """A decode step's K and V rows written by the attention itself, each head by the work item that reads
-    it (`fresh`), leave the cache bitwise as write_kv leaves it and give bitwise the outputs of write_kv then
-    the attention: 40 decodes at lengths ending anywhere in a block (in one batch, the work items shared out
-    a request at a time), with and without a shared prompt prefix (tiles of several requests), the K and V
-    rows strided as in the fused qkv buffer; a cache of another dtype is written as write_kv writes it."""
-    torch.manual_seed(2)
-    nb, n = 400, 40
-    kv = (torch.randn(kv_cache_shape(nb, bs, hk, d)) * 0.7).to(cache_dtype)
-    lens = torch.randint(1, 6 * bs, (n,))
-    lens[:4] = torch.tensor([1, bs, bs + 1, 2 * bs])
-    per = 7
-    perm = torch.randperm(nb)
-    tables = perm[:n * per].view(n, per).clone()
-    if shared:  # every request's first 4 blocks the same (a cached prefix), its own blocks after them
-        tables[:, :4] = perm[n * per:n * per + 4]
-        lens = 4 * bs + torch.randint(1, 2 * bs, (n,))
-    slots = tables[torch.arange(n), (lens - 1) // bs] * bs + (lens - 1) % bs
-    qkv = torch.randn(n, (hq + 2 * hk) * d).to(dtype)
-    q = qkv[:, :hq * d].view(n, hq, d)
-    k = qkv[:, hq * d:(hq + hk) * d].view(n, hk, d)
-    v = qkv[:, (hq + hk) * d:].view(n, hk, d)
-    index = torch.arange(n) if shared else None
-    written = kv.clone()
-    assert cpu_kernels.write_kv(k, v, *split_kv_cache(written), slots)
-    expected = cpu_kernels.paged_attention_decode(q, *split_kv_cache(written), tables, lens, d ** -0.5, index)
-    fused_kv = kv.clone()
-    fused = cpu_kernels.paged_attention_decode(q, *split_kv_cache(fused_kv), tables, lens, d ** -0.5, index,
-                                               fresh=(k, v, slots))
-    assert torch.equal(fused_kv.view(torch.uint8), written.view(torch.uint8))
-    assert torch.equal(fused, expected)
-    assert not torch.equal(fused_kv.view(torch.uint8), kv.view(torch.uint8))  # the rows did go in
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("h", [576, 100, 7])  # whole vectors; vectors and a tail; a tail only
 def test_rms_norm_is_the_reference_computation(isa, dtype, h):

@@ -33,10 +33,6 @@ def _configure(lib: ctypes.CDLL) -> None:
     fn.restype = None
     fn.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
                    + [ctypes.c_int] * 2 + [ctypes.c_float] * 2 + [ctypes.c_int])
-    fn = lib.tidal_paged_attention_decode_writing
-    fn.restype = None
-    fn.argtypes = (lib.tidal_paged_attention_decode.argtypes
-                   + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p])
     fn = lib.tidal_rms_norm
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -106,24 +102,15 @@ def _layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            table_index: torch.Tensor | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0,
-                           fresh: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                           v_scale: float = 1.0) -> torch.Tensor | None:
     """q [B, Hq, D], each a query over its first seq_lens[b] cached K/V (layouts of layer.split_kv_cache),
     through block_tables[table_index[b]] (block_tables[b] without an index). The cache is of q's dtype,
     bf16 under fp32 queries, or FP8 (E4M3) holding K / k_scale and V / v_scale, widened in registers.
-    fresh (k, v, slot_mapping): the step's K and V rows [B, Hk, D] (rows may be strided), written at their
-    slots first as write_kv writes them (no K shift), each head by the work item that then reads it; for
-    steps whose queries are each the one token of its request. Returns None when the native kernel is
-    unavailable or the inputs are not on the CPU (nothing written)."""
+    Returns None when the native kernel is unavailable or the inputs are not on the CPU."""
     lib = _lib_for(q)
     if (lib is None or q.dtype not in _DTYPES or not _cache_dtype_ok(q.dtype, k_cache.dtype)
             or not _layout_ok(k_cache, v_cache)):
         return None
-    if fresh is not None:
-        fk, fv, slots = fresh
-        if (fk.dtype != q.dtype or fv.dtype != q.dtype or slots.dtype != torch.int64 or slots.shape != (q.shape[0],)
-                or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (fk, fv))):
-            return None
     B, Hq, D = q.shape
     if q.stride(2) != 1 or q.stride(1) != D:  # each query's heads contiguous; the queries may be strided
         q = q.contiguous()
@@ -131,16 +118,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens = seq_lens.contiguous()
     index = None if table_index is None else table_index.contiguous()
     out = torch.empty(B, Hq, D, dtype=q.dtype)
-    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            None if index is None else index.data_ptr(), seq_lens.data_ptr(),
-            out.data_ptr(), B, Hq, v_cache.shape[1], D, k_cache.shape[-1], block_tables.shape[1], scale,
-            _DTYPES[q.dtype], _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale, torch.get_num_threads())
-    if fresh is None:
-        lib.tidal_paged_attention_decode(*args)
-    else:
-        slots = slots.contiguous()  # held: a temporary copy would be freed before the call runs
-        lib.tidal_paged_attention_decode_writing(*args, fk.data_ptr(), fk.stride(0), fv.data_ptr(), fv.stride(0),
-                                                 slots.data_ptr())
+    lib.tidal_paged_attention_decode(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        None if index is None else index.data_ptr(), seq_lens.data_ptr(),
+        out.data_ptr(), B, Hq, v_cache.shape[1], D, k_cache.shape[-1], block_tables.shape[1], scale,
+        _DTYPES[q.dtype], _CACHE_DTYPES[k_cache.dtype], k_scale, v_scale, torch.get_num_threads())
     return out
 
 

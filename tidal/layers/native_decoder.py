@@ -261,7 +261,7 @@ class NativeDecoder:
         model = _Model(len(entries), first.input_layernorm.weight.shape[0], a.num_heads, a.num_kv_heads, a.head_dim,
                        first.mlp.down_proj.in_features, kv.shape[3], 0, first.input_layernorm.eps, a.attn.scale,
                        _DTYPES[x_dtype], threads, _addr(lib, "tidal_rms_norm"), _addr(lib, "tidal_rope_neox"),
-                       _addr(lib, "tidal_write_kv"), _addr(lib, "tidal_paged_attention_decode_writing"),
+                       _addr(lib, "tidal_write_kv"), _addr(lib, "tidal_paged_attention_decode"),
                        _addr(lib, "tidal_silu_and_mul"), gate_up_silu, rotary.cos_full.data_ptr(),
                        rotary.sin_signed.data_ptr(), array)
         model._keep = (array, rotary)

@@ -1526,39 +1526,12 @@ static constexpr int64_t kMinSharedBlocks = 4;
 //   chunk; measured on a 64-token chunk over 1,100 cached tokens: 1.6x with AVX-512 BF16, 1.2x with AVX2);
 // - other queries (decodes) whose tables share their first blocks (a common prompt prefix in the prefix
 //   cache), over the shared blocks (cascade attention), each continuing alone over its own blocks.
-template <typename S, typename E>
-static inline void write_token_head(const S* kr, const S* vr, E* kc, E* vc, int64_t slot, int64_t h, int64_t Hk,
-                                    int64_t D, int64_t bs, bool k_pairs, bool v_pairs, bool write_k);
-
-// The step's K and V rows written by the attention itself (decode's `fresh`; slots null: already in the cache):
-// query b's token is row b of k and v (strides in elements), into slot slots[b], each of its KV heads by the
-// work item that then reads that head, so the lines the write fetches are those the item reads next. Only
-// for steps whose queries are each a request's one token (no query reads another's row) and a cache of the
-// activations' own dtype.
-struct FreshKV {
-  const void* k = nullptr;
-  int64_t k_stride = 0;
-  const void* v = nullptr;
-  int64_t v_stride = 0;
-  const int64_t* slots = nullptr;
-};
-
 template <int QDT, int KDT>
 static void decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                    const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens, void* out, int64_t B,
                    int64_t Hq, int64_t Hk, int64_t D, int64_t bs, int64_t max_blocks, float scale, float k_scale,
-                   float v_scale, int num_threads, const FreshKV& fresh = FreshKV{}) {
+                   float v_scale, int num_threads) {
   const int64_t G = Hq / Hk;
-  using Elem = std::conditional_t<QDT == kF32, float, uint16_t>;
-  const bool writes = fresh.slots != nullptr && QDT == KDT;
-  // query b's token into the cache for KV head h (KDT's layout: write_kv's for a cache of the same dtype)
-  auto write_fresh = [&](int64_t b, int64_t h) {
-    write_token_head<Elem, Elem>(static_cast<const Elem*>(fresh.k) + b * fresh.k_stride + h * D,
-                                 static_cast<const Elem*>(fresh.v) + b * fresh.v_stride + h * D,
-                                 static_cast<Elem*>(const_cast<void*>(k_cache)),
-                                 static_cast<Elem*>(const_cast<void*>(v_cache)), fresh.slots[b], h, Hk, D, bs,
-                                 KDT == kBF16 && k_pairs<kBF16>(D), KDT == kBF16 && v_pairs<kBF16>(bs), true);
-  };
   const float out_scale = KDT == kFP8 ? 256.f * v_scale : 1.f;
   if (KDT == kFP8) scale *= 256.f * k_scale;
   auto table_of = [&](int64_t b) { return block_tables + (table_index ? table_index[b] : b) * max_blocks; };
@@ -1648,8 +1621,6 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
       simd::avector<float> work;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < B; ++b) {
-        if (writes)
-          for (int64_t h = 0; h < Hk; ++h) write_fresh(b, h);
         widen<QDT>(q, b * q_stride, Hq * D, qf.data());
         for (int64_t i = 0; i < Hq * D; ++i) qf[i] *= scale;
         heads(qf.data(), k_cache, v_cache, table_of(b), seq_lens[b], Hk, bs, work, res.data());
@@ -1660,11 +1631,6 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
   }
 #endif
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  bool write_first = false;  // a prompt chunk's tile reads rows of other queries: every row written before
-  for (const Tile& t : tiles) write_first = write_first || (writes && t.chunk);
-  if (write_first)
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < Hk; ++h) write_fresh(b, h);
   // the work items (tile, head): tile by tile, its heads together (their K/V sit side by side in each block);
   // when tiles widen their shared blocks, the tiles of several queries come first, head by head, so that the
   // next tile a thread takes is often of the same head and over the same blocks, which it keeps widened
@@ -1704,8 +1670,6 @@ static void decode(const void* q, int64_t q_stride, const void* k_cache, const v
     for (int64_t item = 0; item < num_tiles * Hk; ++item) {
       const Tile& tile = tiles[items.empty() ? item / Hk : items[2 * item]];
       const int64_t h = items.empty() ? item % Hk : items[2 * item + 1], n = tile.count;
-      if (writes && !write_first)
-        for (int64_t i = 0; i < n; ++i) write_fresh(order[tile.first + i], h);
 #if defined(__AVX512BF16__) && defined(TIDAL_VEC)
       if (prompt && tile.chunk) {
         if (!pw) pw = std::make_unique<PromptWork>();
@@ -1929,49 +1893,6 @@ static void write_kv_e4m3(const void* k, int64_t k_stride, const void* v, int64_
   }
 }
 
-// One token's K and V rows (kr, vr: D values) of KV head h into slot `slot` of the cache, in write_kv's layouts:
-// V always, K where write_k
-template <typename S, typename E>
-static inline void write_token_head(const S* kr, const S* vr, E* kc, E* vc, int64_t slot, int64_t h, int64_t Hk,
-                                    int64_t D, int64_t bs, bool k_pairs, bool v_pairs, bool write_k) {
-  const int64_t block = slot / bs, off = slot % bs;
-  if (v_pairs) {
-    E* prow = vc + (block * Hk + h) * bs * D + (off & ~int64_t{1}) * D;  // the token's pair row
-    int64_t d = 0;
-#if TIDAL_VEC == 16
-    if constexpr (std::is_same<S, E>::value) {  // 16 values into every other 16-bit slot: one masked store
-      const __mmask32 mine = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
-      for (; d + 16 <= D; d += 16) {
-        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + d)));
-        if (off & 1) w = _mm512_slli_epi32(w, 16);
-        _mm512_mask_storeu_epi16(prow + 2 * d, mine, w);
-      }
-    }
-#endif
-    for (; d < D; ++d) prow[2 * d + (off & 1)] = convert<S, E>(vr[d]);
-  } else if constexpr (std::is_same<S, E>::value) {
-    std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vr, D * sizeof(E));
-  } else {
-    E* vdst = vc + ((block * Hk + h) * bs + off) * D;
-    for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
-  }
-  if (!write_k) return;
-  if (k_pairs) {
-    E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
-    for (int64_t d = 0; d < D; d += 2) {
-      if constexpr (std::is_same<S, E>::value) {
-        std::memcpy(kdst + d * bs, kr + d, 2 * sizeof(E));  // the pair as one word
-      } else {
-        kdst[d * bs] = convert<S, E>(kr[d]);
-        kdst[d * bs + 1] = convert<S, E>(kr[d + 1]);
-      }
-    }
-  } else {
-    E* kdst = kc + (block * Hk + h) * D * bs + off;
-    for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
-  }
-}
-
 template <typename S, typename E>
 static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
                      void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t bs, bool k_pairs,
@@ -2034,10 +1955,47 @@ static void write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_s
     }
 #endif
     for (int64_t t = first; t < first + (block_whole ? bs : 1); ++t) {  // the unit's tokens: V, and K if alone
+      const int64_t block = slots[t] / bs, off = slots[t] % bs;
       if (!block_whole) prefetch_next_slot(slots, t, T, kc, vc, Hk, D, bs);
-      for (int64_t h = 0; h < Hk; ++h)
-        write_token_head<S, E>(ks + t * k_stride + h * D, vs + t * v_stride + h * D, kc, vc, slots[t], h, Hk, D, bs,
-                               k_pairs, v_pairs, !block_whole);
+      for (int64_t h = 0; h < Hk; ++h) {
+        const S* kr = ks + t * k_stride + h * D;
+        const S* vr = vs + t * v_stride + h * D;
+        if (v_pairs) {
+          E* prow = vc + (block * Hk + h) * bs * D + (off & ~int64_t{1}) * D;  // the token's pair row
+          int64_t d = 0;
+#if TIDAL_VEC == 16
+          if constexpr (std::is_same<S, E>::value) {  // 16 values into every other 16-bit slot: one masked store
+            const __mmask32 mine = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
+            for (; d + 16 <= D; d += 16) {
+              __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + d)));
+              if (off & 1) w = _mm512_slli_epi32(w, 16);
+              _mm512_mask_storeu_epi16(prow + 2 * d, mine, w);
+            }
+          }
+#endif
+          for (; d < D; ++d) prow[2 * d + (off & 1)] = convert<S, E>(vr[d]);
+        } else if constexpr (std::is_same<S, E>::value) {
+          std::memcpy(vc + ((block * Hk + h) * bs + off) * D, vr, D * sizeof(E));
+        } else {
+          E* vdst = vc + ((block * Hk + h) * bs + off) * D;
+          for (int64_t d = 0; d < D; ++d) vdst[d] = convert<S, E>(vr[d]);
+        }
+        if (block_whole) continue;  // its K rows written above
+        if (k_pairs) {
+          E* kdst = kc + (block * Hk + h) * D * bs + 2 * off;
+          for (int64_t d = 0; d < D; d += 2) {
+            if constexpr (std::is_same<S, E>::value) {
+              std::memcpy(kdst + d * bs, kr + d, 2 * sizeof(E));  // the pair as one word
+            } else {
+              kdst[d * bs] = convert<S, E>(kr[d]);
+              kdst[d * bs + 1] = convert<S, E>(kr[d + 1]);
+            }
+          }
+        } else {
+          E* kdst = kc + (block * Hk + h) * D * bs + off;
+          for (int64_t d = 0; d < D; ++d) kdst[d * bs] = convert<S, E>(kr[d]);
+        }
+      }
     }
   }
 }
@@ -2267,13 +2225,13 @@ void tidal_rms_norm(const void* x, const void* residual, const void* weight, voi
 // contiguous. dtype (q and out), kv_dtype (the cache): 0 f32, 1 bf16, 2 f16, 3 E4M3; equal, fp32 queries
 // over a bf16 cache, or any queries over an E4M3 cache whose values are k_scale / v_scale times the stored
 // ones (ignored for other caches).
-static void paged_attention(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
-                            const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
-                            void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
-                            int64_t max_blocks, float scale, int dtype, int kv_dtype, float k_scale, float v_scale,
-                            int num_threads, const FreshKV& fresh) {
+void tidal_paged_attention_decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
+                                  const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
+                                  void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
+                                  int64_t max_blocks, float scale, int dtype, int kv_dtype, float k_scale,
+                                  float v_scale, int num_threads) {
 #define TIDAL_DECODE(Q, K) decode<Q, K>(q, q_stride, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, \
-                                        Hq, Hk, D, block_size, max_blocks, scale, k_scale, v_scale, num_threads, fresh)
+                                        Hq, Hk, D, block_size, max_blocks, scale, k_scale, v_scale, num_threads)
   if (kv_dtype == kFP8) {
     if (dtype == kF32) TIDAL_DECODE(kF32, kFP8);
     else if (dtype == kBF16) TIDAL_DECODE(kBF16, kFP8);
@@ -2283,40 +2241,5 @@ static void paged_attention(const void* q, int64_t q_stride, const void* k_cache
   else if (dtype == kBF16) TIDAL_DECODE(kBF16, kBF16);
   else TIDAL_DECODE(kF16, kF16);
 #undef TIDAL_DECODE
-}
-
-void tidal_paged_attention_decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
-                                  const int64_t* block_tables, const int64_t* table_index, const int64_t* seq_lens,
-                                  void* out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t block_size,
-                                  int64_t max_blocks, float scale, int dtype, int kv_dtype, float k_scale,
-                                  float v_scale, int num_threads) {
-  paged_attention(q, q_stride, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size,
-                  max_blocks, scale, dtype, kv_dtype, k_scale, v_scale, num_threads, FreshKV{});
-}
-
-// tidal_paged_attention_decode that first writes the step's K and V rows (k, v: row b query b's token, strides
-// in elements) into slots[b] of the cache, as tidal_write_kv would, each head by the work item that reads it
-// (decode's FreshKV). The caller's promise: every query is the one token of its request in the step, and the
-// cache has the activations' dtype (kv_dtype == dtype); otherwise it calls tidal_write_kv first.
-void tidal_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
-                    void* k_cache, void* v_cache, int64_t T, int64_t Hk, int64_t D, int64_t block_size, int dtype,
-                    int kv_dtype, float k_scale, float v_scale, const float* k_shift, int num_threads);
-
-void tidal_paged_attention_decode_writing(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
-                                          const int64_t* block_tables, const int64_t* table_index,
-                                          const int64_t* seq_lens, void* out, int64_t B, int64_t Hq, int64_t Hk,
-                                          int64_t D, int64_t block_size, int64_t max_blocks, float scale, int dtype,
-                                          int kv_dtype, float k_scale, float v_scale, int num_threads, const void* k,
-                                          int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots) {
-  FreshKV fresh;
-  if (slots == nullptr) {  // (nothing to write)
-  } else if (kv_dtype == dtype && kv_dtype != kFP8) {
-    fresh = FreshKV{k, k_stride, v, v_stride, slots};
-  } else {  // (a cache of another dtype: written as tidal_write_kv writes it, with no shift of K)
-    tidal_write_kv(k, k_stride, v, v_stride, slots, const_cast<void*>(k_cache), const_cast<void*>(v_cache), B, Hk, D,
-                   block_size, dtype, kv_dtype, k_scale, v_scale, nullptr, num_threads);
-  }
-  paged_attention(q, q_stride, k_cache, v_cache, block_tables, table_index, seq_lens, out, B, Hq, Hk, D, block_size,
-                  max_blocks, scale, dtype, kv_dtype, k_scale, v_scale, num_threads, fresh);
 }
 }

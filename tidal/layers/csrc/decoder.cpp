@@ -5,8 +5,8 @@
 // gguf_gemm.cpp, quant_gemm.cpp). The results are therefore bitwise those of the layer-by-layer path;
 // what goes is the per-op cost of Python, ctypes and tensor allocation, which on a small model's decode
 // step is comparable to the products themselves (tidal/layers/native_decoder.py).
-#include <algorithm>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <vector>
@@ -70,7 +70,7 @@ using write_kv_fn = void (*)(const void*, int64_t, const void*, int64_t, const i
                              int64_t, int64_t, int64_t, int, int, float, float, const float*, int);
 using attention_fn = void (*)(const void*, int64_t, const void*, const void*, const int64_t*, const int64_t*,
                               const int64_t*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, int,
-                              float, float, int, const void*, int64_t, const void*, int64_t, const int64_t*);
+                              float, float, int);
 using w8a8_fn = int (*)(const void*, int, const void*, const void*, const void*, const void*, void*, int64_t,
                         int64_t, int64_t, int);
 using silu_fn = int (*)(const void*, void*, int64_t, int64_t, int, int);
@@ -217,14 +217,6 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
   void* res_other = res2;
   int64_t R = T;  // the rows carried on: T, or n_out from the last layer's attention on
   std::vector<int64_t> picked_rows, picked_lens;
-  // a step whose tokens are each its request's only one (decodes): the attention writes each token's K and V
-  // as it takes up the token's heads, its lines the ones it reads next (tidal_paged_attention_decode_writing)
-  bool one_per_request = T > 0;
-  {
-    std::vector<int64_t> sorted(token_rows, token_rows + T);
-    std::sort(sorted.begin(), sorted.end());
-    for (int64_t t = 1; t < T && one_per_request; ++t) one_per_request = sorted[t] != sorted[t - 1];
-  }
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const Layer& L = m->layers[l];
     if (l == 0 && !has_residual) {
@@ -238,17 +230,14 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
     rope(qkv, qkv_size, m->cos_full, m->sin_signed, positions, qk, T, hq + hk, D, dt, th);
     const uint8_t* v = static_cast<const uint8_t*>(qkv) + (q_size + kv_size) * es;
     const uint8_t* k = static_cast<const uint8_t*>(qk) + q_size * es;
-    const bool picking = out_rows != nullptr && l == m->num_layers - 1;
-    const bool attention_writes = one_per_request && !picking && L.kv_dtype == dt && L.k_shift == nullptr;
-    if (!attention_writes)
-      write_kv(k, q_size + kv_size, v, qkv_size, slots, L.k_cache, L.v_cache, T, hk, D, m->block_size, dt,
-               L.kv_dtype, L.k_scale, L.v_scale, L.k_shift, th);
+    write_kv(k, q_size + kv_size, v, qkv_size, slots, L.k_cache, L.v_cache, T, hk, D, m->block_size, dt,
+             L.kv_dtype, L.k_scale, L.v_scale, L.k_shift, th);
     // the queries are read in place from the [q | k] rows
     const void* q = qk;
     int64_t q_stride = q_size + kv_size;
     const int64_t* rows = token_rows;
     const int64_t* lens = seq_lens;
-    if (picking) {
+    if (out_rows != nullptr && l == m->num_layers - 1) {
       // only the rows read after the stage go on: their queries into the qkv buffer (free once the KV
       // write has read it), their residuals compacted, their attention spans picked
       R = n_out;
@@ -272,8 +261,7 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
       if (R == 0) break;  // nothing to read back: the layer's K and V were all it had to give
     }
     attention(q, q_stride, L.k_cache, L.v_cache, block_table, rows, lens, attn, R, hq, hk, D, m->block_size,
-              m->max_blocks, m->scale, dt, L.kv_dtype, L.k_scale, L.v_scale, th, attention_writes ? k : nullptr,
-              q_size + kv_size, v, qkv_size, attention_writes ? slots : nullptr);
+              m->max_blocks, m->scale, dt, L.kv_dtype, L.k_scale, L.v_scale, th);
     if (run_linear(L.o, attn, out, R, dt, th)) return 1;
     rms_norm(out, res, L.post_norm, normed, res_other, R, H, m->eps, dt, th);
     std::swap(res, res_other);
