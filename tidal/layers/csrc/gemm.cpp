@@ -684,9 +684,12 @@ TIDAL_AMX_TARGET static void release() { _tile_release(); }
 // epilogue, a few rows a chunk) that the core does while the tiles compute. Spread over the chunks, it
 // overlaps them; run whole after the block, its instructions queued behind the tile instructions and
 // overlapped far less (docs/cpu.md: gate/up with SiLU at 2,048 rows 3.5 -> 3.1 ms).
-// STREAM_B: the weight tiles are loaded with TILELOADDT1 (kept out of L1): where a block of x stays in L1
-// for a group of weight pairs that come from L2 (gemm's wide order), the weights no longer evict it, and only
-// they come from L2 (30 layers of SmolLM2's products at 2,048 rows 194-197 -> 158-164 ms on the AMX Xeon)
+// The operand a block uses once is loaded with TILELOADDT1 (kept out of L1), so that it does not evict the
+// one that stays there for the blocks after: STREAM_B, the weight tiles, where a block of x stays in L1 for a
+// group of weight pairs that come from L2 (gemm's wide order: 30 layers of SmolLM2's products at 2,048 rows
+// 194-197 -> 158-164 ms on the AMX Xeon); otherwise x's tiles, where a pair's weights stay in L1 for the
+// panel's blocks of rows (the narrow order: the same products at 64 rows, in the engine's decode steps,
+// 11.30-11.39 -> 11.04-11.13 ms)
 template <int RB, int NB, bool STREAM_B, class Between>
 TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint32_t* b0,
                                         const uint32_t* b1, int64_t chunks, Between&& between) {
@@ -695,7 +698,8 @@ TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, 
   if (RB > 1) _tile_zero(2);
   if (RB > 1 && NB > 1) _tile_zero(3);
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    _tile_loadd(4, a0 + ch * 32, lda * 2);
+    if constexpr (STREAM_B) _tile_loadd(4, a0 + ch * 32, lda * 2);
+    else _tile_stream_loadd(4, a0 + ch * 32, lda * 2);
     if constexpr (STREAM_B) _tile_stream_loadd(6, b0 + ch * 256, 64);
     else _tile_loadd(6, b0 + ch * 256, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -705,7 +709,8 @@ TIDAL_AMX_TARGET static void tile_block(const uint16_t* a0, const uint16_t* a1, 
       _tile_dpbf16ps(1, 4, 7);
     }
     if (RB > 1) {
-      _tile_loadd(5, a1 + ch * 32, lda * 2);
+      if constexpr (STREAM_B) _tile_loadd(5, a1 + ch * 32, lda * 2);
+      else _tile_stream_loadd(5, a1 + ch * 32, lda * 2);
       _tile_dpbf16ps(2, 5, 6);
       if (NB > 1) _tile_dpbf16ps(3, 5, 7);
     }
@@ -850,7 +855,7 @@ struct BlockPipe {
   int64_t pend_g = -1, pend_t0 = 0, pend_rows = 0;
   int pend_nb = 2, parity = 0;
   bool stream = false;  // store_block's
-  bool stream_weights = false;  // tile_block's STREAM_B
+  bool stream_weights = false;  // tile_block's STREAM_B (else x's tiles are the ones loaded around L1)
   int64_t silu_cols = 0;  // > 0: the blocks are (gate, up) tile pairs, stored by store_block_silu
   RowArgmax* amax = nullptr;  // greedy rows: each block's outputs go into the rows' argmax (and out, if any)
   // bytes to bring into L2 meanwhile (prefetch_pair): two ranges, ahead_lines lines of them after each chunk
