@@ -141,12 +141,11 @@ async def send_request(session, url: str, model: str, request: dict, stream: boo
     """One completion, streamed or (stream=False) in one reply (the session's timeout bounds it)."""
     body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
             "temperature": 0.0, "ignore_eos": True, "stream": stream}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
     result = RequestResult(prompt_len=len(request["prompt_token_ids"]))
     start = last = time.perf_counter()
     if not stream:
         return await _send_unstreamed(session, url, body, result, start)
+    body["stream_options"] = {"include_usage": True}
     chunks = 0
     try:
         async with session.post(url, json=body) as response:
