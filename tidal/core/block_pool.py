@@ -85,13 +85,34 @@ class BlockPool:
         return self.cached_blocks.get(block_hash)
 
     # -- mutations -------------------------------------------------------------------------------
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Take n blocks from the front of the free queue, evicting their cached KV if any."""
+    def get_new_blocks(self, n: int, after: int | None = None) -> list[KVCacheBlock]:
+        """Take n blocks, evicting their cached KV if any. after: the id of the block the new ones follow (a
+        request's last block). Decode attention reads a request's blocks from memory on every step, and blocks
+        side by side come faster than blocks strewn across the cache, so each new block is, in this order: the
+        front of the free queue if it is next to the block before (a freed request's run, which the queue holds
+        last block first); the block right after or before that one, if free, unless it was never handed out
+        and the front was (memory already committed goes first) or it holds cached KV and the front does not
+        (no cached block goes while a free one is left; when one must, it may be that neighbour rather than the
+        least recently used); the front of the queue."""
         if n > len(self.free_queue):
             raise ValueError(f"cannot take {n} blocks: only {len(self.free_queue)} free")
         out = []
+        queue = self.free_queue
         for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
+            block = None
+            if after is not None:
+                front = next(iter(queue))
+                if abs(front - after) != 1:
+                    head = self.blocks[front]
+                    for nxt in (after + 1, after - 1):
+                        b = self.blocks[nxt] if 0 <= nxt < self.num_blocks else None
+                        if (b is not None and b.ref_cnt == 0 and (self._warm[nxt] or not self._warm[front])
+                                and (b.block_hash is None or head.block_hash is not None)):
+                            block = queue.pop(nxt)
+                            break
+            if block is None:
+                _, block = queue.popitem(last=False)
+            after = block.block_id
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue is referenced"
             if block.block_hash is not None:
                 self._uncache(block)
@@ -100,6 +121,20 @@ class BlockPool:
             self._warm[block.block_id] = 1
             out.append(block)
         return out
+
+    def reserve_after(self, block_id: int, n: int, step: int = 1) -> int:
+        """Keep the free blocks next to block_id on its `step` side (block_id + step, + 2 step, ...: up to n, up
+        to the first one that is not free) for the request that ends at it: they go to the back of the free
+        queue, so that others take them last and the request finds them when it grows (get_new_blocks' after).
+        A hint, not a hold: they stay free. Returns how many were moved."""
+        moved = 0
+        for i in range(1, n + 1):
+            bid = block_id + i * step
+            if not 0 <= bid < self.num_blocks or bid not in self.free_queue:
+                break
+            self.free_queue.move_to_end(bid)
+            moved += 1
+        return moved
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache (reviving them if unreferenced)."""

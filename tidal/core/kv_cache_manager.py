@@ -17,6 +17,11 @@ from array import array
 from tidal.core.block_pool import BlockPool, KVCacheBlock
 from tidal.request import Request
 
+# At most this many blocks are kept after a request's last one at its admission, for it to grow into: decode
+# attention reads a request's blocks from memory on every step, and blocks side by side come ~20% faster than
+# blocks strewn across the cache (docs/cpu.md)
+RESERVE_BLOCKS = 64
+
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_key: str | None = None) -> bytes:
     h = hashlib.sha256()
@@ -37,6 +42,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_hashes: dict[str, list[bytes]] = {}
         self.req_num_cached_blocks: dict[str, int] = {}
+        # past the last block kept for the request to grow into, and the way its blocks run (+1 or -1)
+        self.req_reserve: dict[str, tuple[int, int]] = {}
         # prefix-cache statistics, in tokens, counted at each admission of a request that reads the
         # cache (as vLLM's prefix_cache_queries / prefix_cache_hits)
         self.prefix_queries = 0
@@ -108,13 +115,25 @@ class KVCacheManager:
             # get_computed_blocks, which a request blocked on memory repeats every step.
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(new_computed_blocks) * self.block_size
+        admitting = request.request_id not in self.req_to_blocks
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.pool.touch(list(new_computed_blocks))
             blocks.extend(new_computed_blocks)
             self.req_num_cached_blocks[request.request_id] = len(blocks)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks, blocks[-1].block_id if blocks else None)
         blocks.extend(new_blocks)
+        if admitting and blocks:
+            # the blocks the request will grow into, kept after its last one (see BlockPool.reserve_after)
+            max_tokens = request.sampling_params.max_tokens
+            expected = request.num_prompt_tokens + (
+                max_tokens if max_tokens is not None else RESERVE_BLOCKS * self.block_size)
+            grow = min(RESERVE_BLOCKS, -(-expected // self.block_size) - len(blocks))
+            if grow > 0:
+                last = blocks[-1].block_id
+                step = -1 if len(blocks) > 1 and blocks[-2].block_id == last + 1 else 1  # the way its run goes
+                self.pool.reserve_after(last, grow, step)
+                self.req_reserve[request.request_id] = (last + step * (grow + 1), step)
         if self.enable_caching:
             # Blocks that will be full once this step's tokens are computed become shareable now:
             # the attention backend writes all of a step's K/V before any of it is read.
@@ -138,6 +157,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.pool.free_blocks(reversed(blocks))
         self.req_num_cached_blocks.pop(request.request_id, None)
+        self.req_reserve.pop(request.request_id, None)
         if request.is_finished:
             self.req_to_hashes.pop(request.request_id, None)
 
@@ -153,6 +173,10 @@ class KVCacheManager:
         del blocks[keep:]
         assert all(b.block_hash is None for b in tail), "a block holding drafts entered the prefix cache"
         self.pool.free_blocks(reversed(tail), to_front=True)
+        reserve = self.req_reserve.get(request.request_id)
+        if reserve is not None and blocks:  # those of the request's reserve go back to it, as if never taken
+            end, step = reserve
+            self.pool.reserve_after(blocks[-1].block_id, (end - blocks[-1].block_id) * step - 1, step)
         return len(tail)
 
     def get_block_ids(self, request_id: str, start: int = 0) -> list[int]:
