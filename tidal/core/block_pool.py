@@ -10,6 +10,9 @@ Cached and free blocks both sit in the free queue. Eviction is lazy: a cached bl
 only when it reaches the front of the queue and is handed out as a fresh block. Released blocks
 join the back of the queue, so the least recently used are evicted first.
 
+A request's blocks are kept side by side where they can be (get_new_blocks' `after`, reserve_after): decode
+attention reads them from memory on every step, and runs of blocks come faster than strewn ones.
+
 Blocks never handed out yet are "cold": their memory (a lazily committed mapping on CPU) is first written,
 page by page, by the request that gets them. A prefix-cache reset leaves every unreferenced block free, and
 then puts the warm ones (handed out before) ahead of the cold ones, so that the requests after it reuse

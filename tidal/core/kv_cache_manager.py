@@ -163,8 +163,9 @@ class KVCacheManager:
 
     def free_tail(self, request: Request, num_tokens: int) -> int:
         """Give back the request's blocks past those its first num_tokens tokens need (blocks that held
-        only rejected draft tokens), to the front of the free queue: nothing worth keeping is in them.
-        Returns how many."""
+        only rejected draft tokens), to the front of the free queue: nothing worth keeping is in them. Those
+        of the blocks kept for the request to grow into (allocate_slots) go back to the back of the queue, in
+        their order, as if never taken. Returns how many."""
         blocks = self.req_to_blocks.get(request.request_id)
         keep = -(-num_tokens // self.block_size)
         if not blocks or len(blocks) <= keep:
