@@ -95,8 +95,8 @@ class BlockPool:
         front of the free queue if it is next to the block before (a freed request's run, which the queue holds
         last block first); the block right after or before that one, if free, unless it was never handed out
         and the front was (memory already committed goes first) or it holds cached KV and the front does not
-        (no cached block goes while a free one is left; when one must, it may be that neighbour rather than the
-        least recently used); the front of the queue."""
+        (a neighbour's cached KV goes only where the front would have given up its own: then that one stays
+        instead of the least recently used); the front of the queue."""
         if n > len(self.free_queue):
             raise ValueError(f"cannot take {n} blocks: only {len(self.free_queue)} free")
         out = []
