@@ -110,12 +110,12 @@ class KVCacheManager:
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return None
-        if request.request_id not in self.req_to_blocks and self.reads_prefix_cache(request):
-            # Admission (first, or again after preemption): count the lookup once here, not in
-            # get_computed_blocks, which a request blocked on memory repeats every step.
+        admitting = request.request_id not in self.req_to_blocks  # first, or again after preemption
+        if admitting and self.reads_prefix_cache(request):
+            # count the lookup once here, not in get_computed_blocks, which a request blocked on memory
+            # repeats every step
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(new_computed_blocks) * self.block_size
-        admitting = request.request_id not in self.req_to_blocks
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.pool.touch(list(new_computed_blocks))
@@ -124,16 +124,7 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks, blocks[-1].block_id if blocks else None)
         blocks.extend(new_blocks)
         if admitting and blocks:
-            # the blocks the request will grow into, kept after its last one (see BlockPool.reserve_after)
-            max_tokens = request.sampling_params.max_tokens
-            expected = request.num_prompt_tokens + (
-                max_tokens if max_tokens is not None else RESERVE_BLOCKS * self.block_size)
-            grow = min(RESERVE_BLOCKS, -(-expected // self.block_size) - len(blocks))
-            if grow > 0:
-                last = blocks[-1].block_id
-                step = -1 if len(blocks) > 1 and blocks[-2].block_id == last + 1 else 1  # the way its run goes
-                self.pool.reserve_after(last, grow, step)
-                self.req_reserve[request.request_id] = (last + step * (grow + 1), step)
+            self._reserve_growth(request, blocks)
         if self.enable_caching:
             # Blocks that will be full once this step's tokens are computed become shareable now:
             # the attention backend writes all of a step's K/V before any of it is read.
@@ -141,6 +132,20 @@ class KVCacheManager:
                            + num_new_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, blocks, num_full)
         return new_blocks
+
+    def _reserve_growth(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Keep the blocks an admitted request will grow into after its last one (BlockPool.reserve_after),
+        in the way its run of blocks goes, and remember where they end (free_tail puts them back)."""
+        max_tokens = request.sampling_params.max_tokens
+        expected = request.num_prompt_tokens + (
+            max_tokens if max_tokens is not None else RESERVE_BLOCKS * self.block_size)
+        grow = min(RESERVE_BLOCKS, -(-expected // self.block_size) - len(blocks))
+        if grow <= 0:
+            return
+        last = blocks[-1].block_id
+        step = -1 if len(blocks) > 1 and blocks[-2].block_id == last + 1 else 1
+        self.pool.reserve_after(last, grow, step)
+        self.req_reserve[request.request_id] = (last + step * (grow + 1), step)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_full: int) -> None:
         done = self.req_num_cached_blocks.get(request.request_id, 0)
