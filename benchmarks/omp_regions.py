@@ -7,7 +7,7 @@
 A small library (compiled here with gcc, loaded with LD_PRELOAD) stands in for libgomp's `GOMP_parallel`,
 `GOMP_loop_end` and `GOMP_barrier`: it runs each top-level region's body on every thread between two clock
 reads and passes the calls on. Per kernel (the region's outlined function, named with addr2line), it reports
-the calls, the region's wall time on the thread that opened it, and per thread: the time in the body
+the calls, the region's wall time on the thread that opened it, and per thread that ran its body: the time in it
 (`busy`), how late the thread started it (`late`), how long it waited at the region's end for the others
 (`end wait`), and how long it waited inside the body at the end of a `for` or at a barrier (`loop wait`:
 counted in `busy` too). Between regions: how long the opening thread spent outside any region, in three
@@ -178,7 +178,7 @@ prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(inp)]}
 llm.generate(prompts, SamplingParams(max_tokens=out, ignore_eos=True, temperature=0), use_tqdm=False)
 """
 
-PHASES = ("start-up (the engine's warm-up forwards)", "steps with prompt tokens", "steps of decodes alone")
+PHASES = ("start-up (loading the model, making the engine)", "steps with prompt tokens", "steps of decodes alone")
 
 
 def build(tmp: str) -> str:
