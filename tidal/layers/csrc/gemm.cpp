@@ -868,11 +868,17 @@ struct BlockPipe {
   // (with few rows a chunk asked for 16-32 lines, more than a core has line fill buffers; capped, 30 layers'
   // products of the default model at 64 rows, weights from memory, 12.4-13.4 -> 10.2-10.5 ms alone and
   // 11.3-12.3 -> 10.8-12.1 ms in the engine's decode steps, on the AMX Xeon; docs/cpu.md)
-  static constexpr int64_t kAheadLines = 12;
-  void prefetch_pair(const char* tiles, int64_t tile_bytes, int64_t t0, int64_t t1, int64_t calls) {
+  // With one block of rows (up to 32: a single stream's or a small batch's decode), whose chunks are shorter
+  // still, at most 4 (a single stream's decode step in the engine 13.4-13.9 -> 12.6-13.3 ms, alternating;
+  // docs/cpu.md)
+  static constexpr int64_t kAheadLines = 12, kAheadLinesOneBlock = 4;
+  void prefetch_pair(const char* tiles, int64_t tile_bytes, int64_t t0, int64_t t1, int64_t row_blocks,
+                     int64_t chunks) {
     ahead[0] = tiles + t0 * tile_bytes, ahead_end[0] = ahead[0] + tile_bytes;
     ahead[1] = tiles + std::max<int64_t>(t1, 0) * tile_bytes, ahead_end[1] = ahead[1] + (t1 >= 0 ? tile_bytes : 0);
-    ahead_lines = (int)std::min(kAheadLines, (2 * tile_bytes / 64 + calls - 1) / calls);
+    const int64_t calls = row_blocks * chunks;
+    ahead_lines = (int)std::min(row_blocks > 1 ? kAheadLines : kAheadLinesOneBlock,
+                                (2 * tile_bytes / 64 + calls - 1) / calls);
   }
 
   template <bool STREAM_B, class Between>
@@ -1028,7 +1034,7 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
         const uint32_t* b1 = nb > 1 ? w.tile(second(tp), bbuf.data() + chunks * 256, rows.data()) : b0;
         if (w.kind == Weights::PACKED && K % 32 == 0 && tp + 1 < p_end)  // the next pair's tiles, from memory
           pipe.prefetch_pair(static_cast<const char*>(w.w), chunks * 1024, first(tp + 1),
-                             nb_of(tp + 1) > 1 ? second(tp + 1) : -1, (g1 - g0 + 1) / 2 * chunks);
+                             nb_of(tp + 1) > 1 ? second(tp + 1) : -1, (g1 - g0 + 1) / 2, chunks);
         for (int64_t g = g0; g < g1; g += 2) {
           const int rb = g + 1 < g1 ? 2 : 1;
           const uint16_t* a0 = group(g);
