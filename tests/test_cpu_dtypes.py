@@ -166,6 +166,34 @@ def test_greedy_bf16_batches_on_amx_take_their_tokens_without_logits(bf16_checkp
     assert plain == sampled
 
 
+def test_greedy_bf16_steps_of_few_rows_take_their_tokens_from_the_int8_screen_on_amx(bf16_checkpoint, monkeypatch):
+    """Where the AMX tiles have int8 products, a bf16 LM head holds an int8 screen in their layout, and plain
+    greedy steps of up to 16 rows take their tokens from it (packed_linear_screen); they are the tokens the
+    sampler's argmax picks from the full logits (a request asking for logprobs). Elsewhere there is no such
+    screen."""
+    from tidal.layers import embedding
+    from tidal.layers.cpu_kernels import SCREEN_MAX_ROWS, amx_int8_in_use
+    path, _ = bf16_checkpoint
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 20, 60, 512, seed=8)]
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8)
+    assert (llm.llm_engine.runner.model.lm_head.greedy_screen_tiles is not None) == amx_int8_in_use()
+    screened = []
+
+    def counted(hidden, *args, screen=embedding.packed_linear_screen):
+        found = screen(hidden, *args)
+        screened.append(None if found is None else len(found))
+        return found
+    monkeypatch.setattr(embedding, "packed_linear_screen", counted)
+    (found, plain), (found_sampled, sampled) = _greedy_twice(llm, prompts)
+    assert found and all(f is not None for f in found)
+    assert not found_sampled
+    assert plain == sampled
+    if amx_int8_in_use():
+        assert screened and None not in screened and max(screened) == len(prompts) <= SCREEN_MAX_ROWS
+    else:
+        assert not screened
+
+
 def test_greedy_fp32_rows_take_their_tokens_from_the_lm_heads_int8_screen(bf16_checkpoint):
     """With fp32 activations on bf16 weights (dtype auto without native bf16), the LM head holds an int8
     screen and plain greedy steps of any number of rows take their tokens from it (packed_linear_greedy);

@@ -483,6 +483,94 @@ def test_greedy_screen_finds_the_packed_products_argmax(isa, n, k):
     assert cpu_kernels.greedy_screen(w) is None
 
 
+@pytest.mark.parametrize("n,k", [(103, 576), (4099, 64), (40, 33), (1000, 2050)])
+def test_amx_int8_screen_finds_the_argmax_of_bf16_logits(n, k):
+    """Greedy bf16 rows through the LM head's int8 screen on the AMX tiles (packed_linear_screen): each row's
+    argmax is argmax_rows' on the packed product's bf16 logits over the first n_valid, for any number of
+    rows: clear winners, exact ties (equal weight rows: the first wins), a row of zeros (every logit 0:
+    column 0), logits close together (many candidate tiles), winners among weight rows the int8 copy cannot
+    tell apart, hidden states with outliers, and a later column whose exact logit is larger but rounds to
+    the bf16 value of an earlier one (the earlier wins, as on the stored logits). A row that is not finite,
+    or values that could overflow, leave it to the caller (None); without AMX-INT8 there is no screen."""
+    torch.manual_seed(0)
+    w = torch.randn(n, k).bfloat16()
+    w[n // 3] = w[n - 2]
+    near = min(32, n // 3)
+    base = torch.randn(k)
+    w[n - near:n - 2] = (base + torch.randn(near - 2, k) * base.abs().max() / 254).bfloat16()
+    # column 1 and the last: the last's exact logit against row 60 is the larger, by less than bf16 can tell
+    w[1] = (base * 2).bfloat16()
+    w[n - 1] = w[1]
+    w[n - 1, 0] = w[1, 0] + 0.25
+    screen = cpu_kernels.greedy_screen_tiles(w)
+    if not cpu_kernels.amx_int8_in_use():
+        assert screen is None
+        return
+    packed = cpu_kernels.pack_bf16_weight(w)
+    x = torch.randn(70, k)
+    x[:, :3] *= 30  # outliers, as hidden states have
+    x[5] = 0
+    x[6:12] = w[n // 3].float() * 3  # the largest at n // 3 and, equal, at n - 2
+    x[12:20] *= 1e-3  # logits close together: many candidates
+    x[20:30] = w[torch.randint(0, n, (10,))].float() * 2 + torch.randn(10, k) * 0.5
+    x[30:50] = base * 4 + torch.randn(20, k) * 0.3
+    x[60] = base * 3
+    x = x.bfloat16()
+    for x0 in (1.0, 0.5, 0.25, 0.125, 0.0625):  # (one whose two exact logits fall in one bf16 rounding step)
+        x[60, 0] = x0
+        full = cpu_kernels.packed_linear(x, packed, n, k, None)
+        exact = x[60].double() @ w[[1, n - 1]].double().T
+        if exact[1] > exact[0] and full[60, 1] == full[60, n - 1] == full[60].max():
+            break
+    else:
+        raise AssertionError("no row 60 with its two largest exact logits in one bf16 rounding step")
+    for n_valid in (n, n - 3, 1):
+        want = cpu_kernels.argmax_rows(full[:, :n_valid].contiguous())
+        for rows in (slice(0, 1), slice(5, 7), slice(2, 6), slice(6, 11), slice(10, 16), slice(12, 20),
+                     slice(0, 13), slice(20, 30), slice(30, 50), slice(60, 61), slice(0, 64), slice(0, 70)):
+            got = cpu_kernels.packed_linear_screen(x[rows].contiguous(), packed, n, k, screen, n_valid)
+            assert got == want[rows], (rows, n_valid)
+    assert cpu_kernels.packed_linear_screen(x[60:61].contiguous(), packed, n, k, screen, n) == [1]
+    assert cpu_kernels.packed_linear_screen(x[6:8].contiguous(), packed, n, k, screen, n) == [n // 3] * 2
+    assert cpu_kernels.packed_linear_screen(x[5:6].contiguous(), packed, n, k, screen, n) == [0]
+    bad = x[:3].clone()
+    bad[1, 2] = float("inf")
+    assert cpu_kernels.packed_linear_screen(bad, packed, n, k, screen, n) is None
+    huge = (x[6:8].float() * 1e36).bfloat16()  # finite, but the logits and their bounds could overflow fp32
+    assert cpu_kernels.packed_linear_screen(huge, packed, n, k, screen, n) is None
+    w[7, 1] = float("inf")
+    assert cpu_kernels.greedy_screen_tiles(w) is None
+
+
+def test_amx_int8_screen_keeps_a_candidate_that_wins_only_once_rounded():
+    """Where the screen's bounds are tight (weights exact in int8, a hidden state without outliers), a later
+    column whose exact logit is larger, by more than both bounds, but rounds to the bf16 value of an earlier
+    column's must leave the earlier one's tile a candidate: on the stored (rounded) logits the earlier wins."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 300, 576
+    q = torch.randint(-100, 101, (n, k), generator=gen)
+    q[:, 7] = 127  # every row's largest: the int8 scale is 1/128, and each weight exact in int8
+    w = (q.double() / 128).bfloat16()
+    w[n - 1] = w[1]
+    w[n - 1, 0] += 4 / 128
+    packed = cpu_kernels.pack_bf16_weight(w)
+    screen = cpu_kernels.greedy_screen_tiles(w)
+    if not cpu_kernels.amx_int8_in_use():
+        assert screen is None
+        return
+    x = (w[1].double() * 3).bfloat16().unsqueeze(0)
+    for x0 in (4.0, 3.0, 5.0, 6.0, 2.5):  # the two exact logits 0.08-0.19 apart, in one bf16 rounding step
+        x[0, 0] = x0
+        full = cpu_kernels.packed_linear(x, packed, n, k, None)
+        exact = x[0].double() @ w[[1, n - 1]].double().T
+        if exact[1] - exact[0] > 0.075 and full[0, 1] == full[0, n - 1] == full[0].max():
+            break
+    else:
+        raise AssertionError("no x with its two largest exact logits in one bf16 rounding step")
+    assert cpu_kernels.argmax_rows(full) == [1]
+    assert cpu_kernels.packed_linear_screen(x, packed, n, k, screen, n) == [1]
+
+
 @pytest.mark.parametrize("k", [576, 67])
 def test_fp32_gemm_rows_do_not_depend_on_the_batch(isa, k):
     """Batch-invariant mode's fp32 product: close to torch's, and a row's bits the same alone (streamed

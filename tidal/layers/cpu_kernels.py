@@ -254,6 +254,11 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_gemm_bf16_packed_greedy.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed_greedy.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
                                                   + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64])
+    lib.tidal_gemm_amx_int8.restype = ctypes.c_int
+    lib.tidal_gemm_amx_int8.argtypes = []
+    lib.tidal_gemm_bf16_packed_screen.restype = ctypes.c_int
+    lib.tidal_gemm_bf16_packed_screen.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_float] + [ctypes.c_int64] * 4
+                                                  + [ctypes.c_int, ctypes.c_void_p])
     lib.tidal_linear_f32_bf16_packed_greedy.restype = ctypes.c_int
     lib.tidal_linear_f32_bf16_packed_greedy.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
                                                         + [ctypes.c_int, ctypes.c_void_p])
@@ -283,11 +288,25 @@ def amx_in_use() -> bool:
     lib = _GEMM_LIB.get()
     return lib is not None and cpu_isa() == "avx512_bf16" and bool(lib.tidal_gemm_amx())
 
+
+def amx_int8_in_use() -> bool:
+    """Whether the AMX tiles' int8 products run here as well (the greedy LM head's screen for bf16 rows:
+    packed_linear_screen): amx_in_use() and a CPU with AMX-INT8."""
+    return amx_in_use() and bool(_GEMM_LIB.get().tidal_gemm_amx_int8())
+
+
 # Up to this many rows the skinny kernel (weights streamed once, VDPBF16PS) beats oneDNN's prepacked
 # GEMM. Measured on SmolLM2's shapes, 2 threads, summed over one layer's four products: 1.6x for one row,
 # 1.6x for two, 1.3x for three, 1.2x for four (at four rows the LM head alone is 10% slower). The blocked
 # kernel (bf16_linear) costs the same for 1 to 16 rows: its vector lanes are 16 rows of x.
 SKINNY_MAX_ROWS = 4
+
+# Up to this many bf16 rows (one tile of rows) the greedy LM head reads its int8 screen on the AMX tiles
+# (packed_linear_screen) rather than the bf16 weight: SmolLM2's head (49,152 x 576, weights from memory, real
+# hidden states) 1 row 2.4-2.6 -> 1.4-1.5 ms, 8 rows 2.3 -> 1.7, 16 rows 2.4 -> 1.9; from 24 rows the rows'
+# two int8 tiles a chunk, loaded from L2 for every pair of weight tiles, cost what the weight's bytes save
+# (32 rows 2.5 either way, 64 rows 2.8 -> 3.5; docs/cpu.md)
+SCREEN_MAX_ROWS = 16
 
 
 def _gemm(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -471,6 +490,55 @@ def greedy_screen(weight: torch.Tensor) -> GreedyScreen | None:
                                     screen.a.data_ptr(), screen.b.data_ptr(), torch.get_num_threads()) != 0:
         return None
     return screen
+
+
+class TileScreen(NamedTuple):
+    """What packed_linear_screen screens the vocabulary with on the AMX tiles: GreedyScreen's int8 rows in the
+    tile unit's int8 layout [tiles, ceil(k / 64), 16, 16, 4] (for each 64 k, 16 quads of k, each of the tile's
+    16 rows' four values side by side; zero past k), its scales and bound terms, and the largest of those
+    terms (with it the kernel checks that no value or bound can overflow)."""
+    weight: torch.Tensor
+    scale: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    bound: float
+
+
+def greedy_screen_tiles(weight: torch.Tensor) -> TileScreen | None:
+    """The int8 screen of a bf16 LM-head weight [n, k] (plain, before packing) for bf16 rows on the AMX tiles
+    (packed_linear_screen): greedy_screen's in the tile unit's layout. Half the bf16 weight's bytes. None where
+    it does not run (no AMX-INT8 in use here, a weight that is not finite)."""
+    if not amx_int8_in_use():
+        return None
+    screen = greedy_screen(weight)
+    if screen is None:
+        return None
+    n, k = weight.shape
+    tiles, pairs, k64 = screen.weight.shape[0], screen.weight.shape[1], -(-k // 64) * 64
+    rows = screen.weight.permute(0, 2, 1, 3).reshape(tiles, 16, 2 * pairs)[..., :k]  # each tile's 16 int8 rows
+    padded = torch.zeros(tiles, 16, k64, dtype=torch.int8)
+    padded[..., :k] = rows
+    quads = padded.view(tiles, 16, k64 // 64, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return TileScreen(quads, screen.scale, screen.a, screen.b, float(torch.maximum(screen.a.max(), screen.b.max())))
+
+
+def packed_linear_screen(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, screen: TileScreen,
+                         n_valid: int) -> list[int] | None:
+    """Each row's argmax over the first n_valid outputs of packed_linear(x, packed, n, k) (bf16 x [rows, k], no
+    bias), as packed_linear_argmax_only finds it, reading the weight's int8 screen (greedy_screen_tiles) on
+    the AMX tiles and the bf16 weight only for a few candidate tiles of each row (gemm.cpp: screen_argmax).
+    None where it does not apply (no AMX-INT8, x not finite): the caller runs the whole product."""
+    lib = _GEMM_LIB.get()
+    if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1:
+        return None
+    x = x.contiguous()
+    rows = x.shape[0]
+    found = _argmax_buffer(rows)
+    if lib.tidal_gemm_bf16_packed_screen(
+            x.data_ptr(), packed.data_ptr(), screen.weight.data_ptr(), screen.scale.data_ptr(), screen.a.data_ptr(),
+            screen.b.data_ptr(), screen.bound, rows, n, k, n_valid, torch.get_num_threads(), found[1]) != 0:
+        return None
+    return found[0].tolist()
 
 
 def packed_linear_argmax_only(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,

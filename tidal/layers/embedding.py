@@ -12,11 +12,14 @@ from tidal.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from tidal.layers.cpu_kernels import (
+    SCREEN_MAX_ROWS,
     SKINNY_MAX_ROWS,
     GreedyScreen,
+    TileScreen,
     packed_linear_argmax,
     packed_linear_argmax_only,
     packed_linear_greedy,
+    packed_linear_screen,
     unpack_bf16_rows,
 )
 from tidal.layers.gguf_kernels import gguf_linear
@@ -68,8 +71,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, dtype=torch.float32, bias: bool = False) -> None:
         super().__init__(vocab_size, hidden_size, dtype)
         self.bias = None
-        # an int8 screen of the weight for greedy rows under fp32 activations (tidal.loader.pack_bf16_weights)
+        # an int8 screen of the weight for greedy rows under fp32 activations, and one in the AMX tiles' layout
+        # for bf16 rows (tidal.loader.pack_bf16_weights)
         self.greedy_screen: GreedyScreen | None = None
+        self.greedy_screen_tiles: TileScreen | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -89,14 +94,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Each row's argmax over the vocabulary (greedy sampling: the first index of the largest logit, as
         argmax_rows gives on compute_logits' output), found by the LM head's kernel as it computes the
         logits, where one does (bf16 weights packed at load, one rank): under bf16 activations for 1-4 rows,
-        and for more on AMX (packed_linear_argmax_only: no logits stored); under fp32 activations for any
-        number, through the weight's int8 screen (packed_linear_greedy: most logits are never computed); None
-        elsewhere."""
+        and for more on AMX (packed_linear_argmax_only: no logits stored), where the tiles have int8 products
+        for up to SCREEN_MAX_ROWS rows through the weight's int8 screen (packed_linear_screen: the bf16 weight
+        read for a few tiles of columns a row); under fp32 activations for any number, through the weight's
+        int8 screen (packed_linear_greedy: most logits are never computed); None elsewhere."""
         packed = getattr(self.weight, "bf16_packed", None)
         if packed is None or self.tp_size > 1 or self.weight_scale is not None or hidden.dim() != 2:
             return None
         if hidden.dtype == torch.float32 and self.greedy_screen is not None:
             return packed_linear_greedy(hidden, self.weight, *packed, self.greedy_screen, self.vocab_size)
+        if (hidden.dtype == torch.bfloat16 and self.greedy_screen_tiles is not None
+                and hidden.shape[0] <= SCREEN_MAX_ROWS):
+            found = packed_linear_screen(hidden, self.weight, *packed, self.greedy_screen_tiles, self.vocab_size)
+            if found is not None:
+                return found
         if hidden.dtype == torch.bfloat16 and hidden.shape[0] > SKINNY_MAX_ROWS:
             return packed_linear_argmax_only(hidden, self.weight, *packed, None, self.vocab_size)
         found = packed_linear_argmax(hidden, self.weight, *packed, None, self.vocab_size)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.layers.cpu_kernels import greedy_screen, pack_bf16_weight, packed_gemm_available
+from tidal.layers.cpu_kernels import greedy_screen, greedy_screen_tiles, pack_bf16_weight, packed_gemm_available
 from tidal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tidal.layers.linear import Bf16WeightLinearMethod, LinearBase, UnquantizedLinearMethod
 from tidal.layers.quantization import get_quantization_config
@@ -282,13 +282,18 @@ def pack_bf16_weights(model: torch.nn.Module) -> int:
     its table share it): under bf16 activations on a CPU with AVX-512 BF16, under fp32 activations (bf16
     weights read by fp32 products: dtype auto without native bf16) on any CPU with AVX2 or more. A packed
     kernel streams a weight once for 1-4 rows and runs register tiles for more, in one summation order
-    for any number of rows (docs/batch_invariance.md). An LM head under fp32 activations also gets its int8
-    screen for greedy rows (cpu_kernels.greedy_screen). Returns the number of tensors packed."""
+    for any number of rows (docs/batch_invariance.md). An LM head also gets an int8 screen for greedy rows:
+    under fp32 activations (cpu_kernels.greedy_screen), and under bf16 activations where the AMX tiles have
+    int8 products (cpu_kernels.greedy_screen_tiles). Returns the number of tensors packed."""
     for module in model.modules():
-        if (isinstance(module, ParallelLMHead) and module.dtype == torch.float32 and module.tp_size == 1
-                and module.weight_scale is None):
-            # from the plain weight, before packing (None unless it is a bf16 CPU weight and the kernel runs)
-            module.greedy_screen = greedy_screen(module.weight.data)
+        if (isinstance(module, ParallelLMHead) and module.tp_size == 1 and module.weight_scale is None
+                and module.dtype in (torch.float32, torch.bfloat16)):
+            # from the plain weight, before packing (None unless it is a bf16 CPU weight and the kernel runs:
+            # for bf16 activations, the AMX tiles' int8 products)
+            if module.dtype == torch.float32:
+                module.greedy_screen = greedy_screen(module.weight.data)
+            else:
+                module.greedy_screen_tiles = greedy_screen_tiles(module.weight.data)
     done: set[int] = set()
     for module in model.modules():
         if isinstance(module, LinearBase):

@@ -1088,6 +1088,268 @@ static void argmax_rows(const uint16_t* out, int64_t M, int64_t N, int64_t n_val
   }
 }
 
+// The greedy LM head's screen on the tiles, for bf16 rows (screen_argmax below). The screen's weight is the
+// int8 copy of the fp32 screen (tidal_greedy_screen_bf16: one scale a weight row, the bound's terms a and b)
+// in the int8 unit's layout: [tiles, chunks of 64 k, 16 quads of k, 16 columns, 4] (a 1 KiB tile a chunk).
+namespace screen8 {
+// rounding to bf16 moves a value by at most 2^-8 of it: a column is a candidate when its upper bound, moved up
+// by that, reaches the largest lower bound moved down by it (widened for the fp32 arithmetic of both)
+constexpr float kRound = 1.0f / 256 + 1.0f / 4096;
+constexpr float kTiny = 0x1p-100f;  // plus this much: values flushed to zero or rounded in the subnormal range
+
+// what a row needs: x in int16 as a signed high byte and an unsigned low byte (xq = 256 hi + lo), both
+// [rows padded to 16, chunks * 64]; its scale, |x| and |x - xq| (rounded up)
+struct Rows {
+  std::vector<int8_t> hi;
+  std::vector<uint8_t> lo;
+  std::vector<float> scale, norm, err;
+  int64_t ld = 0;
+};
+
+// the lower and upper bounds of 16 outputs of one row: v = s_x s_w (xq . wq), bound = a |x| + b |x - xq| (gemm.cpp's
+// fp32 screen: greedy), with |x| and |x - xq| widened by 2^-10 beforehand (for the bound's own rounding) and
+// kTiny added; columns from `valid` on left out (-inf)
+struct Bounds {
+  __m512 lo, hi;
+};
+static inline Bounds bounds(__m512i dot, __m512 xs, __m512 xn, __m512 xe, const float* ws, const float* a, const float* b,
+                            __mmask16 valid) {
+  const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(ws)), xs);
+  const __m512 bound = _mm512_fmadd_ps(_mm512_loadu_ps(a), xn, _mm512_fmadd_ps(_mm512_loadu_ps(b), xe, _mm512_set1_ps(kTiny)));
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  return {_mm512_mask_sub_ps(none, valid, v, bound), _mm512_mask_add_ps(none, valid, v, bound)};
+}
+
+// a candidate's test value: the upper bound moved up by what rounding to bf16 may add
+static inline __m512 rounded_up(__m512 hi) {
+  return _mm512_fmadd_ps(_mm512_abs_ps(hi), _mm512_set1_ps(kRound), hi);
+}
+// and the threshold: the largest lower bound moved down by it
+static inline float threshold(float lb) { return lb - std::fabs(lb) * kRound - kTiny; }
+}  // namespace screen8
+
+// Each row's argmax over the first n_valid columns of x [M, K] (bf16) times the packed bf16 weight of [N, K]
+// (no bias), as tidal_gemm_bf16_packed_greedy finds it (the first column of the largest output rounded to
+// bf16), reading the int8 screen instead of the bf16 weight for all but a few tiles of columns:
+// - each row of x becomes int16 (scale |x|max / qmax) in two bytes, and the tiles multiply the screen's int8
+//   weight by the high and by the low byte (TDPBSSD, TDPBUSD: exact int32 sums, xq . wq = 256 hi + lo), at
+//   the int8 unit's rate, the screen's weight half the bf16 weight's bytes;
+// - with the fp32 screen's bound (greedy above), every output has a lower and an upper bound on its fp32
+//   value; the threshold is the largest lower bound, and a tile of 16 columns is a candidate for a row where
+//   a column's upper bound reaches it (both widened by what rounding to bf16 may move a value: the argmax
+//   is taken on rounded values, as the product stores them). The test runs against the threshold so far,
+//   each tile recorded with its largest test value, and the final threshold keeps those that reach it;
+// - the candidate tiles of each group of 16 rows go through the bf16 product itself (tile_block over the
+//   packed tile: the same chunks in the same order, the same sums and rounding as in gemm), and each row's
+//   argmax is taken over its candidates' columns (the first of equal maxima, NaN never winning).
+// Returns 0 with argmax set; -1 when it does not apply (no AMX-INT8, a row of x or a bound not finite, K too
+// large for int32 sums): the caller runs the whole product. w_bound: the largest of a and b (every output's value
+// and bound are at most 3 (|x| + |x - xq|) w_bound, which must stay finite).
+TIDAL_AMX_INT8_TARGET static int screen_argmax(const uint16_t* x, const uint32_t* wpk, const int8_t* wq,
+                                               const float* ws, const float* wa, const float* wb, float w_bound,
+                                               int64_t M, int64_t N, int64_t K, int64_t n_valid, int num_threads,
+                                               int64_t* argmax) {
+  n_valid = std::min(n_valid, N);
+  if (M < 1 || n_valid < 1 || !simd::amx_int8_usable()) return -1;
+  const int64_t chunks8 = (K + 63) / 64, K8 = chunks8 * 64, chunks = (K + 31) / 32, Kp = chunks * 32;
+  const int64_t groups = (M + 15) / 16, tiles = (n_valid + 15) / 16, pairs_of_tiles = (tiles + 1) / 2;
+  // |xq . wq| <= K8 * 127 * qmax < 2^31 (the screen's sums, and 256 hi + lo, exact in int32)
+  const int64_t qmax = std::min<int64_t>(16383, (int64_t(1) << 31) / (K8 * 127 + 1) - 1);
+  if (qmax < 64) return -1;
+  screen8::Rows r;
+  r.ld = K8;
+  r.hi.assign(groups * 16 * K8, 0);
+  r.lo.assign(groups * 16 * K8, 0);
+  r.scale.assign(M, 1.f), r.norm.assign(M, 0.f), r.err.assign(M, 0.f);
+  simd::avector<uint16_t> xp(groups * 16 * Kp, 0);  // x for the bf16 products, zero-padded to tiles
+  // each thread: per row its largest lower bound (16 lanes) and the threshold so far; the candidate tiles it
+  // recorded (row, tile, largest test value)
+  struct Candidate {
+    int64_t row, tile;
+    float top;
+  };
+  std::vector<std::vector<Candidate>> found(num_threads);
+  std::vector<float> lo_all(size_t(num_threads) * M * 16, -INFINITY);
+  std::vector<float> best_v(size_t(num_threads) * M, -INFINITY);
+  std::vector<int64_t> best_i(size_t(num_threads) * M, -1);
+  std::vector<int64_t> work;  // (tile, group, row mask) triples for the bf16 products
+  int bad = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : bad)
+  {
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* xm = x + m * K;
+      std::memcpy(xp.data() + m * Kp, xm, K * 2);
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = bf16_to_float(xm[k]);
+        if (!std::isfinite(v)) bad = 1;
+        amax = std::max(amax, std::fabs(v));
+      }
+      const float s = amax > 0.f && std::isfinite(amax) ? amax / float(qmax) : 1.f;
+      double n2 = 0, e2 = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = bf16_to_float(xm[k]);
+        const float q = std::min(float(qmax), std::max(-float(qmax), std::nearbyint(v / s)));
+        const int32_t qi = static_cast<int32_t>(q);
+        r.lo[m * K8 + k] = static_cast<uint8_t>(qi & 255);
+        r.hi[m * K8 + k] = static_cast<int8_t>((qi - (qi & 255)) / 256);
+        const double e = double(v) - double(q) * double(s);
+        n2 += double(v) * v;
+        e2 += e * e;
+      }
+      r.scale[m] = s;
+      // |x| and |x - xq| rounded up, and widened by 2^-10 for the rounding of the bound made from them
+      r.norm[m] = std::nextafter(float(std::sqrt(n2) * (1.0 + 1.0 / 1024)), INFINITY);
+      r.err[m] = std::nextafter(float(std::sqrt(e2) * (1.0 + 1.0 / 1024)), INFINITY);
+      if (!((double(r.norm[m]) + r.err[m]) * w_bound * 3 < 1e37)) bad = 1;  // values and bounds stay finite
+    }  // (the implicit barrier: every row ready)
+    configure();
+    float* lo_acc = lo_all.data() + size_t(tid) * M * 16;
+    std::vector<float> thr(M, -INFINITY);
+    std::vector<Candidate>& mine = found[tid];
+    alignas(64) int32_t sums[2][16 * 32];  // the high and the low byte's sums: 16 rows x 2 tiles
+    const int64_t p_begin = pairs_of_tiles * tid / nth, p_end = pairs_of_tiles * (tid + 1) / nth;
+    const char* ahead[2] = {nullptr, nullptr};
+    const char* ahead_end[2] = {nullptr, nullptr};
+    const int64_t tile_bytes = chunks8 * 1024;
+    const int ahead_lines = (int)std::min<int64_t>(groups > 2 ? 12 : 4, (2 * tile_bytes / 64 + groups * chunks8 - 1) /
+                                                                            (groups * chunks8));
+    for (int64_t tp = p_begin; tp < p_end; ++tp) {
+      const int64_t t0 = 2 * tp, t1 = t0 + 1;
+      const bool two = t1 < tiles;
+      const int8_t* b0 = wq + t0 * tile_bytes;
+      const int8_t* b1 = two ? b0 + tile_bytes : b0;
+      if (tp + 1 < p_end) {  // the next pair's tiles into L2, a few lines after each chunk
+        ahead[0] = reinterpret_cast<const char*>(b0) + 2 * tile_bytes, ahead_end[0] = ahead[0] + tile_bytes;
+        ahead[1] = ahead_end[0], ahead_end[1] = ahead[1] + (2 * tp + 3 < tiles ? tile_bytes : 0);
+      } else {
+        ahead[0] = ahead_end[0], ahead[1] = ahead_end[1];
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const int8_t* ah = r.hi.data() + g * 16 * K8;
+        const uint8_t* al = r.lo.data() + g * 16 * K8;
+        for (int64_t ch = 0; ch < chunks8; ++ch) {
+          _tile_loadd(4, ah + ch * 64, K8);
+          _tile_loadd(5, al + ch * 64, K8);
+          _tile_loadd(6, b0 + ch * 1024, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbusd(2, 5, 6);
+          if (two) {
+            _tile_loadd(7, b1 + ch * 1024, 64);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+          }
+          for (int i = 0; i < ahead_lines; ++i) {
+            const int k = i & 1;
+            if (ahead[k] < ahead_end[k]) {
+              _mm_prefetch(ahead[k], _MM_HINT_T1);
+              ahead[k] += 64;
+            }
+          }
+        }
+        _tile_stored(0, sums[0], 128);
+        _tile_stored(2, sums[1], 128);
+        if (two) {
+          _tile_stored(1, sums[0] + 16, 128);
+          _tile_stored(3, sums[1] + 16, 128);
+        }
+        const int64_t rows = std::min<int64_t>(16, M - 16 * g);
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t m = 16 * g + i;
+          const __m512 xs = _mm512_set1_ps(r.scale[m]), xn = _mm512_set1_ps(r.norm[m]), xe = _mm512_set1_ps(r.err[m]);
+          __m512 lo_m = _mm512_loadu_ps(lo_acc + m * 16);
+          const __m512 t = _mm512_set1_ps(thr[m]);
+          for (int j = 0; j < (two ? 2 : 1); ++j) {
+            const int64_t n0 = 16 * (t0 + j);
+            const __mmask16 valid = (__mmask16)((1u << std::min<int64_t>(16, n_valid - n0)) - 1);
+            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0] + i * 32 + 16 * j), 8),
+                                                 _mm512_load_si512(sums[1] + i * 32 + 16 * j));
+            const screen8::Bounds bd = screen8::bounds(dot, xs, xn, xe, ws + n0, wa + n0, wb + n0, valid);
+            lo_m = _mm512_max_ps(lo_m, bd.lo);
+            const __m512 up = screen8::rounded_up(bd.hi);
+            if (_mm512_mask_cmp_ps_mask(valid, up, t, _CMP_GE_OQ))
+              mine.push_back({m, t0 + j, _mm512_mask_reduce_max_ps(valid, up)});
+          }
+          _mm512_storeu_ps(lo_acc + m * 16, lo_m);
+          thr[m] = screen8::threshold(_mm512_reduce_max_ps(lo_m));
+        }
+      }
+    }
+#pragma omp barrier
+#pragma omp single
+    {
+      // the final thresholds, and the candidates that reach them: (tile, group) items with their rows
+      std::vector<float> final_thr(M);
+      for (int64_t m = 0; m < M; ++m) {
+        float lb = -INFINITY;
+        for (int th = 0; th < nth; ++th)
+          for (int l = 0; l < 16; ++l) lb = std::max(lb, lo_all[(size_t(th) * M + m) * 16 + l]);
+        final_thr[m] = screen8::threshold(lb);
+      }
+      std::vector<std::pair<int64_t, int64_t>> keep;  // (tile * groups + group, row)
+      for (int th = 0; th < nth; ++th)
+        for (const Candidate& c : found[th])
+          if (c.top >= final_thr[c.row]) keep.push_back({c.tile * groups + c.row / 16, c.row});
+      std::sort(keep.begin(), keep.end());
+      for (size_t i = 0; i < keep.size();) {
+        int64_t mask = 0;
+        size_t j = i;
+        for (; j < keep.size() && keep[j].first == keep[i].first; ++j) mask |= int64_t(1) << (keep[j].second % 16);
+        work.insert(work.end(), {keep[i].first / groups, keep[i].first % groups, mask});
+        i = j;
+      }
+    }
+    // the candidates' bf16 products, tile by tile, and each row's argmax over them
+    const Weights w{Weights::PACKED, wpk, {nullptr, 0}, N, K};
+    simd::avector<uint32_t> bbuf(K % 32 == 0 ? 0 : chunks * 256);
+    alignas(64) float c[16 * 32];
+    float* bv = best_v.data() + size_t(tid) * M;
+    int64_t* bi = best_i.data() + size_t(tid) * M;
+    auto nothing = [](int64_t) {};
+#pragma omp for schedule(dynamic)
+    for (int64_t it = 0; it < static_cast<int64_t>(work.size() / 3); ++it) {
+      const int64_t t = work[3 * it], g = work[3 * it + 1], mask = work[3 * it + 2];
+      const uint32_t* bt = w.tile(t, bbuf.data(), nullptr);
+      const uint16_t* a0 = xp.data() + g * 16 * Kp;
+      tile_block<1, 1, false>(a0, a0, Kp, bt, bt, chunks, nothing);
+      store_tiles<1, 1>(c);
+      const int64_t n0 = 16 * t;
+      const __mmask16 valid = (__mmask16)((1u << std::min<int64_t>(16, n_valid - n0)) - 1);
+      const __m512 zero_bias = load_bias(nullptr, n0, valid);
+      for (int i = 0; i < 16; ++i) {
+        if (!(mask >> i & 1)) continue;
+        const int64_t m = 16 * g + i;
+        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(_mm512_loadu_ps(c + i * 32), zero_bias), 16));
+        const __mmask16 ord = valid & _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+        if (!ord) continue;
+        const float top = _mm512_mask_reduce_max_ps(ord, v);
+        const int64_t at = n0 + __builtin_ctz(ord & _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ));
+        if (bi[m] < 0 || top > bv[m] || (top == bv[m] && at < bi[m])) bv[m] = top, bi[m] = at;
+      }
+    }
+    release();
+  }
+  if (bad) return -1;
+  for (int64_t m = 0; m < M; ++m) {
+    float v = -INFINITY;
+    int64_t at = -1;
+    for (int th = 0; th < num_threads; ++th) {
+      const float tv = best_v[size_t(th) * M + m];
+      const int64_t ti = best_i[size_t(th) * M + m];
+      if (ti >= 0 && (at < 0 || tv > v || (tv == v && ti < at))) v = tv, at = ti;
+    }
+    if (at < 0) return -1;  // (a row without a candidate: the bounds did not hold)
+    argmax[m] = at;
+  }
+  return 0;
+}
+
 }  // namespace amx
 
 // Stores out[m0 + r, n0 + i] = acc[i] lane r (+ bias) for i < nn <= 16 and rows < M.
@@ -1667,6 +1929,15 @@ int tidal_gemm_amx() {
 #endif
 }
 
+// 1 when the tiles' int8 products run here as well (the LM head's screen: amx::screen_argmax), else 0
+int tidal_gemm_amx_int8() {
+#if defined(__AVX512BF16__)
+  return simd::amx_int8_usable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // x [M, K], w [N, K], bias [N] (or null), out [M, N], all bf16 and contiguous, any M >= 1. Returns 0
 // when it ran, -1 when this build has no AVX-512 BF16 (the caller uses its fallback).
 int tidal_gemm_bf16(const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t N, int64_t K,
@@ -1738,6 +2009,27 @@ int tidal_gemm_bf16_packed_greedy(const void* x, const void* wpk, const void* bi
   return 0;
 #else
   (void)x; (void)wpk; (void)bias; (void)M; (void)N; (void)K; (void)num_threads; (void)argmax; (void)n_valid;
+  return -1;
+#endif
+}
+
+// Greedy rows on the tiles through the LM head's int8 screen (amx::screen_argmax): argmax[m] as
+// tidal_gemm_bf16_packed_greedy gives it (no bias), reading the screen's int8 weight wq (the int8 unit's
+// layout: [ceil(N / 16), ceil(K / 64), 16, 16, 4]) and, for a few candidate tiles a row, the packed bf16
+// weight; ws, a, b the screen's per-row scale and bound terms (tidal_greedy_screen_bf16's), w_bound the largest
+// of a and b. Returns -1 (the caller runs the whole product) without AMX-INT8, or when x is not finite or the
+// values could overflow.
+int tidal_gemm_bf16_packed_screen(const void* x, const void* wpk, const void* wq, const void* ws, const void* a,
+                                  const void* b, float w_bound, int64_t M, int64_t N, int64_t K, int64_t n_valid,
+                                  int num_threads, int64_t* argmax) {
+#if defined(__AVX512BF16__)
+  if (!amx::usable()) return -1;
+  return amx::screen_argmax(static_cast<const uint16_t*>(x), static_cast<const uint32_t*>(wpk),
+                            static_cast<const int8_t*>(wq), static_cast<const float*>(ws), static_cast<const float*>(a),
+                            static_cast<const float*>(b), w_bound, M, N, K, n_valid, num_threads, argmax);
+#else
+  (void)x; (void)wpk; (void)wq; (void)ws; (void)a; (void)b; (void)w_bound; (void)M; (void)N; (void)K;
+  (void)n_valid; (void)num_threads; (void)argmax;
   return -1;
 #endif
 }

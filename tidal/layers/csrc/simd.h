@@ -329,6 +329,15 @@ inline bool amx_usable() {
   return ok;
 }
 
+// AMX-INT8 as well (the int8 tile products, TDPBSSD and TDPBUSD), where the tiles are in use
+inline bool amx_int8_usable() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return amx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+  }();
+  return ok;
+}
+
 // Tile register layouts: `rows` rows of `colsb` bytes for tiles 0-7 (palette 1)
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -336,6 +345,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 #define TIDAL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define TIDAL_AMX_INT8_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 // LDTILECFG of the whole 64-byte configuration. (GCC 12's _tile_loadconfig tells the compiler it reads only
 // the first 8 bytes, so an inlined configuration's colsb and rows stores could be dropped as dead, leaving
