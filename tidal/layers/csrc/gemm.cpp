@@ -669,10 +669,10 @@ static bool usable() { return simd::amx_usable(); }
 using simd::TileConfig;
 
 // every tile 16 rows of 64 bytes: tmm0-3 sums (2 x 2 blocks of 16 x 16 fp32), tmm4-5 x, tmm6-7 weights
-TIDAL_AMX_TARGET static void configure() {
+TIDAL_AMX_TARGET static void configure(int rows = 16) {
   TileConfig c{};
   c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = t < 6 ? rows : 16;
   simd::load_tile_config(c);
 }
 
@@ -980,7 +980,9 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
   auto second = [&](int64_t tp) { return silu ? tp + up_tiles : 2 * tp + 1; };
   auto nb_of = [&](int64_t tp) { return silu || 2 * tp + 1 < tiles ? 2 : 1; };
   simd::avector<uint16_t> pad;
-  const int64_t full = K % 32 == 0 ? M / 16 : 0;  // groups read in place
+  // fewer than 16 rows with K a multiple of 32: x read in place, into tiles of M rows (the sum tiles too)
+  const bool short_rows = M < 16 && K % 32 == 0;
+  const int64_t full = K % 32 == 0 ? (short_rows ? 1 : M / 16) : 0;  // groups read in place
   if (full < groups) {
     pad.assign((groups - full) * 16 * Kp, 0);
     for (int64_t m = full * 16; m < M; ++m) std::memcpy(pad.data() + (m - full * 16) * Kp, x + m * K, K * 2);
@@ -995,7 +997,7 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
   std::vector<int64_t> amax_idx(argmax ? size_t(num_threads) * M : 0, -1);
 #pragma omp parallel num_threads(num_threads)
   {
-    configure();
+    configure(short_rows ? static_cast<int>(M) : 16);
     simd::avector<uint32_t> bbuf(w.kind == Weights::PACKED && K % 32 == 0 ? 0 : 2 * chunks * 256);
     simd::avector<uint16_t> rows(w.kind == Weights::ROWS ? 16 * K : 0);
     BlockPipe pipe;
