@@ -435,6 +435,20 @@ def test_amx_greedy_rows_find_the_argmax_of_logits_never_stored(n, k):
     assert cpu_kernels.packed_linear_argmax_only(torch.randn(6, k).bfloat16(), packed, n, k, nan_bias, n) == [0] * 6
 
 
+def _hidden_rows(w: torch.Tensor) -> torch.Tensor:
+    """70 fp32 hidden rows for a screen's test against the weight w [n, k] (w[n // 3] == w[n - 2]): outliers, a
+    row of zeros (5), rows whose largest logit is at n // 3 and equally at n - 2 (6-11), logits close together
+    (12-19), rows near random weight rows (20-29); the rest random."""
+    n, k = w.shape
+    x = torch.randn(70, k)
+    x[:, :3] *= 30  # outliers, as hidden states have
+    x[5] = 0
+    x[6:12] = w[n // 3].float() * 3  # the largest at n // 3 and, equal, at n - 2
+    x[12:20] *= 1e-3  # logits close together: many candidates
+    x[20:30] = w[torch.randint(0, n, (10,))].float() * 2 + torch.randn(10, k) * 0.5
+    return x
+
+
 @pytest.mark.parametrize("n,k", [(103, 576), (4099, 64), (40, 33), (1000, 2050)])
 def test_greedy_screen_finds_the_packed_products_argmax(isa, n, k):
     """Greedy rows under fp32 activations: the int8 screen's argmax is the first index of the largest of
@@ -447,12 +461,7 @@ def test_greedy_screen_finds_the_packed_products_argmax(isa, n, k):
     torch.manual_seed(0)
     w = torch.randn(n, k).bfloat16()
     w[n // 3] = w[n - 2]
-    x = torch.randn(70, k)
-    x[:, :3] *= 30  # outliers, as hidden states have
-    x[5] = 0
-    x[6:12] = w[n // 3].float() * 3  # the largest at n // 3 and, equal, at n - 2
-    x[12:20] *= 1e-3  # logits close together: many candidates
-    x[20:30] = w[torch.randint(0, n, (10,))].float() * 2 + torch.randn(10, k) * 0.5
+    x = _hidden_rows(w)
     # a run of rows that differ from one another by about half an int8 step in each element: their int8
     # logits rank them no better than chance, and the largest is theirs only within the bound
     near = min(32, n // 3)
@@ -507,12 +516,7 @@ def test_amx_int8_screen_finds_the_argmax_of_bf16_logits(n, k):
         assert screen is None
         return
     packed = cpu_kernels.pack_bf16_weight(w)
-    x = torch.randn(70, k)
-    x[:, :3] *= 30  # outliers, as hidden states have
-    x[5] = 0
-    x[6:12] = w[n // 3].float() * 3  # the largest at n // 3 and, equal, at n - 2
-    x[12:20] *= 1e-3  # logits close together: many candidates
-    x[20:30] = w[torch.randint(0, n, (10,))].float() * 2 + torch.randn(10, k) * 0.5
+    x = _hidden_rows(w)
     x[30:50] = base * 4 + torch.randn(20, k) * 0.3
     x[60] = base * 3
     x = x.bfloat16()

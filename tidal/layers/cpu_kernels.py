@@ -528,17 +528,8 @@ def packed_linear_screen(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, 
     bias), as packed_linear_argmax_only finds it, reading the weight's int8 screen (greedy_screen_tiles) on
     the AMX tiles and the bf16 weight only for a few candidate tiles of each row (gemm.cpp: screen_argmax).
     None where it does not apply (no AMX-INT8, x not finite): the caller runs the whole product."""
-    lib = _GEMM_LIB.get()
-    if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1:
-        return None
-    x = x.contiguous()
-    rows = x.shape[0]
-    found = _argmax_buffer(rows)
-    if lib.tidal_gemm_bf16_packed_screen(
-            x.data_ptr(), packed.data_ptr(), screen.weight.data_ptr(), screen.scale.data_ptr(), screen.a.data_ptr(),
-            screen.b.data_ptr(), screen.bound, rows, n, k, n_valid, torch.get_num_threads(), found[1]) != 0:
-        return None
-    return found[0].tolist()
+    return _screened_argmax("tidal_gemm_bf16_packed_screen", torch.bfloat16, x, packed, n, k, screen, n_valid,
+                            screen.bound)
 
 
 def packed_linear_argmax_only(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
@@ -567,15 +558,21 @@ def packed_linear_greedy(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, 
     bias), the first index of the largest as argmax_rows gives, without computing most of them: int8
     approximations of every output and a bound on their error leave a few candidates, whose tiles the fp32
     kernel computes (gemm.cpp: greedy). None when it does not apply (no such build, x not finite)."""
+    return _screened_argmax("tidal_linear_f32_bf16_packed_greedy", torch.float32, x, packed, n, k, screen, n_valid)
+
+
+def _screened_argmax(kernel: str, dtype: torch.dtype, x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+                     screen: GreedyScreen | TileScreen, n_valid: int, *extra) -> list[int] | None:
+    """A screened greedy kernel's argmax of each row of x [rows, k] (of dtype), or None where it does not run."""
     lib = _GEMM_LIB.get()
-    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1:
+    if lib is None or x.dtype != dtype or x.dim() != 2 or x.shape[1] != k or x.shape[0] < 1:
         return None
     x = x.contiguous()
     rows = x.shape[0]
     found = _argmax_buffer(rows)
-    if lib.tidal_linear_f32_bf16_packed_greedy(
-            x.data_ptr(), packed.data_ptr(), screen.weight.data_ptr(), screen.scale.data_ptr(), screen.a.data_ptr(),
-            screen.b.data_ptr(), rows, n, k, n_valid, torch.get_num_threads(), found[1]) != 0:
+    if getattr(lib, kernel)(x.data_ptr(), packed.data_ptr(), screen.weight.data_ptr(), screen.scale.data_ptr(),
+                            screen.a.data_ptr(), screen.b.data_ptr(), *extra, rows, n, k, n_valid,
+                            torch.get_num_threads(), found[1]) != 0:
         return None
     return found[0].tolist()
 
