@@ -668,7 +668,8 @@ static bool usable() { return simd::amx_usable(); }
 
 using simd::TileConfig;
 
-// every tile 16 rows of 64 bytes: tmm0-3 sums (2 x 2 blocks of 16 x 16 fp32), tmm4-5 x, tmm6-7 weights
+// every tile 64 bytes a row: tmm0-3 sums (2 x 2 blocks of 16 x 16 fp32) and tmm4-5 x of `rows` rows (16, or
+// fewer for a product of fewer rows), tmm6-7 weights of 16
 TIDAL_AMX_TARGET static void configure(int rows = 16) {
   TileConfig c{};
   c.palette = 1;
@@ -1105,12 +1106,11 @@ struct Rows {
   std::vector<int8_t> hi;
   std::vector<uint8_t> lo;
   std::vector<float> scale, norm, err;
-  int64_t ld = 0;
 };
 
-// the lower and upper bounds of 16 outputs of one row: v = s_x s_w (xq . wq), bound = a |x| + b |x - xq| (gemm.cpp's
-// fp32 screen: greedy), with |x| and |x - xq| widened by 2^-10 beforehand (for the bound's own rounding) and
-// kTiny added; columns from `valid` on left out (-inf)
+// the lower and upper bounds of 16 outputs of one row: v = s_x s_w (xq . wq), bound = a |x| + b |x - xq| (the
+// fp32 screen's: greedy above), with |x| and |x - xq| widened by 2^-10 beforehand (for the bound's own rounding)
+// and kTiny added; columns from `valid` on left out (-inf)
 struct Bounds {
   __m512 lo, hi;
 };
@@ -1159,7 +1159,6 @@ TIDAL_AMX_INT8_TARGET static int screen_argmax(const uint16_t* x, const uint32_t
   const int64_t qmax = std::min<int64_t>(16383, (int64_t(1) << 31) / (K8 * 127 + 1) - 1);
   if (qmax < 64) return -1;
   screen8::Rows r;
-  r.ld = K8;
   r.hi.assign(groups * 16 * K8, 0);
   r.lo.assign(groups * 16 * K8, 0);
   r.scale.assign(M, 1.f), r.norm.assign(M, 0.f), r.err.assign(M, 0.f);
