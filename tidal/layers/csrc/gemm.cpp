@@ -940,6 +940,61 @@ struct BlockPipe {
   }
 };
 
+// A whole 2 x 2 block of gemm's wide order (32 rows of x in L1, a pair of weight tiles around L1): what
+// BlockPipe::run does for it, written out in a function of its own. Through run's general path (any rb and nb,
+// its epilogue and prefetches in a closure called after each chunk) the compiler kept the block's pointers on
+// the stack and reloaded them around the tile instructions; here they stay in registers, and the waiting
+// block's plain rows (no SiLU, no argmax: store_block's 32 whole columns) are rounded and stored in the loop.
+// The same products, sums and stores in the same order, so the same bits: 30 layers of SmolLM2's products at
+// 2,048 rows, weights from memory, 184-191 -> 175-182 ms on the AMX Xeon (docs/cpu.md).
+TIDAL_AMX_TARGET __attribute__((noinline)) static void wide_block(BlockPipe& pipe, const uint16_t* a0,
+                                                                  const uint16_t* a1, int64_t lda, const uint32_t* b0,
+                                                                  const uint32_t* b1, int64_t chunks, int64_t g,
+                                                                  int64_t t0, int64_t M, const uint16_t* bias,
+                                                                  uint16_t* out, int64_t N) {
+  const int64_t step = (32 + chunks - 1) / chunks;  // the waiting block's rows a chunk, as run stores them
+  const int64_t rows = pipe.pend_g >= 0 ? pipe.pend_rows : 0;
+  uint16_t* dst = out && rows > 0 ? out + 16 * pipe.pend_g * N + 16 * pipe.pend_t0 : nullptr;
+  const bool plain = dst && !pipe.amax && pipe.silu_cols == 0 && pipe.pend_nb == 2 && 16 * pipe.pend_t0 + 32 <= N &&
+                     (!pipe.stream || ((reinterpret_cast<uintptr_t>(dst) & 63) == 0 && (N * 2) % 64 == 0));
+  const float* cb = pipe.c[pipe.parity ^ 1];
+  const __m512 bias_lo = plain ? load_bias(bias, 16 * pipe.pend_t0, 0xffff) : _mm512_setzero_ps();
+  const __m512 bias_hi = plain ? load_bias(bias, 16 * pipe.pend_t0 + 16, 0xffff) : _mm512_setzero_ps();
+  int64_t done = 0;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    _tile_loadd(4, a0 + ch * 32, lda * 2);
+    _tile_stream_loadd(6, b0 + ch * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_stream_loadd(7, b1 + ch * 256, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1 + ch * 32, lda * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (done < rows) {
+      const int64_t upto = std::min(rows, done + step);
+      if (plain) {
+        for (int64_t r = done; r < upto; ++r) {
+          const __m512i v = rounded_pair(_mm512_loadu_ps(cb + r * 32), _mm512_loadu_ps(cb + r * 32 + 16), bias_lo,
+                                         bias_hi);
+          if (pipe.stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + r * N), v);
+          else _mm512_storeu_si512(dst + r * N, v);
+        }
+      } else {
+        pipe.flush_rows(done, upto, bias, out, N);
+      }
+      done = upto;
+    }
+  }
+  if (done < rows) pipe.flush_rows(done, rows, bias, out, N);
+  store_tiles<2, 2>(pipe.c[pipe.parity]);
+  pipe.pend_g = g, pipe.pend_t0 = t0, pipe.pend_rows = std::min<int64_t>(32, M - 16 * g), pipe.pend_nb = 2;
+  pipe.parity ^= 1;
+}
+
 // out [M, N] = x [M, K] @ W^T (+ bias), bf16, any M >= 1, in panels of ~512 KiB of x (in L2). x is read
 // where it is when K is a multiple of 32; a last group of fewer than 16 rows, or every row when K is not,
 // goes through a zero-padded copy. The threads take pairs of weight tiles (32 columns) statically. Two
@@ -1023,8 +1078,9 @@ TIDAL_AMX_TARGET static void gemm(const uint16_t* x, const Weights& w, const uin
               const int64_t t0 = first(tp);
               const int nb = nb_of(tp);
               const uint32_t* b0 = w.tile(t0, nullptr, nullptr);
-              pipe.run(a0, a1, lda, b0, nb > 1 ? w.tile(second(tp), nullptr, nullptr) : b0, chunks, rb, nb, g, t0, M,
-                       bias, out, N);
+              const uint32_t* b1 = nb > 1 ? w.tile(second(tp), nullptr, nullptr) : b0;
+              if (rb == 2 && nb == 2) wide_block(pipe, a0, a1, lda, b0, b1, chunks, g, t0, M, bias, out, N);
+              else pipe.run(a0, a1, lda, b0, b1, chunks, rb, nb, g, t0, M, bias, out, N);
             }
           }
         }
