@@ -946,7 +946,7 @@ struct BlockPipe {
 // loop written plainly; here the loop holds only what a 2 x 2 block needs, and the waiting block's plain rows
 // (no SiLU, no argmax: store_block's 32 whole columns) are rounded and stored in it.
 // The same products, sums and stores in the same order, so the same bits: 30 layers of SmolLM2's products at
-// 2,048 rows, weights from memory, 184-191 -> 175-182 ms on the AMX Xeon (docs/cpu.md).
+// 2,048 rows, weights from memory, 183-190 -> 175-179 ms on the AMX Xeon (docs/cpu.md).
 TIDAL_AMX_TARGET __attribute__((noinline)) static void wide_block(BlockPipe& pipe, const uint16_t* a0,
                                                                   const uint16_t* a1, int64_t lda, const uint32_t* b0,
                                                                   const uint32_t* b1, int64_t chunks, int64_t g,
