@@ -944,7 +944,8 @@ struct BlockPipe {
 // BlockPipe::run does for it, written out in a function of its own. Through run's general path (any rb and nb,
 // its epilogue and prefetches in a closure called after each chunk) the block ran ~15% slower than the same
 // loop written plainly; here the loop holds only what a 2 x 2 block needs, and the waiting block's plain rows
-// (no SiLU, no argmax: store_block's 32 whole columns) are rounded and stored in it.
+// (no SiLU, no argmax: store_block's 32 whole columns) are rounded and stored in it. (run's prefetches are
+// left out: the wide order asks for no lines ahead; prefetch_pair serves the other order.)
 // The same products, sums and stores in the same order, so the same bits: 30 layers of SmolLM2's products at
 // 2,048 rows, weights from memory, 183-190 -> 175-179 ms on the AMX Xeon (docs/cpu.md).
 TIDAL_AMX_TARGET __attribute__((noinline)) static void wide_block(BlockPipe& pipe, const uint16_t* a0,
