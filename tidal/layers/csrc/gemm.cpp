@@ -943,9 +943,9 @@ struct BlockPipe {
 // A whole 2 x 2 block of gemm's wide order (32 rows of x in L1, a pair of weight tiles around L1): what
 // BlockPipe::run does for it, written out in a function of its own. Through run's general path (any rb and nb,
 // its epilogue and prefetches in a closure called after each chunk) the block ran ~15% slower than the same
-// loop written plainly; here the loop holds only what a 2 x 2 block needs, and the waiting block's plain rows
-// (no SiLU, no argmax: store_block's 32 whole columns) are rounded and stored in it. (run's prefetches are
-// left out: the wide order asks for no lines ahead; prefetch_pair serves the other order.)
+// loop written plainly; here tile_block's loop is compiled for a 2 x 2 block alone, and the waiting block's
+// plain rows (no SiLU, no argmax: store_block's 32 whole columns) are rounded and stored between its chunks.
+// (run's prefetches are left out: the wide order asks for no lines ahead; prefetch_pair serves the other order.)
 // The same products, sums and stores in the same order, so the same bits: 30 layers of SmolLM2's products at
 // 2,048 rows, weights from memory, 183-190 -> 175-179 ms on the AMX Xeon (docs/cpu.md).
 TIDAL_AMX_TARGET __attribute__((noinline)) static void wide_block(BlockPipe& pipe, const uint16_t* a0,
@@ -962,19 +962,7 @@ TIDAL_AMX_TARGET __attribute__((noinline)) static void wide_block(BlockPipe& pip
   const __m512 bias_lo = plain ? load_bias(bias, 16 * pipe.pend_t0, 0xffff) : _mm512_setzero_ps();
   const __m512 bias_hi = plain ? load_bias(bias, 16 * pipe.pend_t0 + 16, 0xffff) : _mm512_setzero_ps();
   int64_t done = 0;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    _tile_loadd(4, a0 + ch * 32, lda * 2);
-    _tile_stream_loadd(6, b0 + ch * 256, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_stream_loadd(7, b1 + ch * 256, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a1 + ch * 32, lda * 2);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+  auto between = [&](int64_t) {
     if (done < rows) {
       const int64_t upto = std::min(rows, done + step);
       if (plain) {
@@ -989,7 +977,8 @@ TIDAL_AMX_TARGET __attribute__((noinline)) static void wide_block(BlockPipe& pip
       }
       done = upto;
     }
-  }
+  };
+  tile_block<2, 2, true>(a0, a1, lda, b0, b1, chunks, between);
   if (done < rows) pipe.flush_rows(done, rows, bias, out, N);
   store_tiles<2, 2>(pipe.c[pipe.parity]);
   pipe.pend_g = g, pipe.pend_t0 = t0, pipe.pend_rows = std::min<int64_t>(32, M - 16 * g), pipe.pend_nb = 2;
