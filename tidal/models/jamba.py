@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tidal import forward_context
-from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
+from tidal.distributed import is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.attention import Attention
 from tidal.layers.embedding import VocabParallelEmbedding
 from tidal.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -19,7 +19,7 @@ from tidal.layers.mamba import MambaMixer
 from tidal.layers.moe import SparseMoeBlock, split_expert_weights
 from tidal.layers.norm import RMSNorm
 from tidal.models.llama import LlamaMLP
-from tidal.models.utils import load_stacked_weights, make_layers, make_lm_head, stage_weights
+from tidal.models.utils import CausalLM, load_stacked_weights, make_layers
 
 
 class JambaAttention(nn.Module):
@@ -108,7 +108,7 @@ class JambaModel(nn.Module):
         return hidden
 
 
-class JambaForCausalLM(nn.Module):
+class JambaForCausalLM(CausalLM):
     supports_pp = True  # builds only its stage's layers (JambaModel)
     stacked_params = (
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
@@ -119,23 +119,9 @@ class JambaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = JambaModel(config, dtype, quant)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
-                                               self.model.embed_tokens, self.tie_word_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def compute_greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax of compute_logits(hidden) per row, where the LM head's kernel finds it (else None)."""
-        return self.lm_head.greedy_tokens(hidden)
+        self.init_lm_head(config, dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("experts.w13_weight", "experts.w2_weight") + (("lm_head.weight",) if self.tied else ())
-        if get_pp_size() > 1:  # before the experts are split out: other stages' experts have no place here
-            copy = "model.embed_tokens.weight" if self.tie_word_embeddings and not self.tied else None
-            weights = stage_weights(self, weights, "model.layers.", self.model.start_layer, self.model.end_layer, copy)
+        weights = self.this_stage_weights(weights)  # before the experts are split out: other stages' have no place
         return load_stacked_weights(self, split_expert_weights(self, weights), self.stacked_params, skip)

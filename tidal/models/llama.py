@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tidal import forward_context
-from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
+from tidal.distributed import is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.activation import SiluAndMul
 from tidal.layers.attention import Attention
 from tidal.layers.embedding import VocabParallelEmbedding
@@ -17,7 +17,7 @@ from tidal.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, R
 from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import get_rope
-from tidal.models.utils import load_stacked_weights, make_layers, make_lm_head, stage_weights
+from tidal.models.utils import CausalLM, load_stacked_weights, make_layers
 
 
 class LlamaAttention(nn.Module):
@@ -140,7 +140,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     supports_pp = True  # builds only its stage's layers (LlamaModel)
     supports_cuda_graphs = True  # its forward never reads a value back from the GPU (tidal/worker/cuda_graphs.py)
     stacked_params = [  # (fused parameter, checkpoint name, shard)
@@ -152,23 +152,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, quant)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
-                                               self.model.embed_tokens, self.tie_word_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def compute_greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax of compute_logits(hidden) per row, where the LM head's kernel finds it (else None)."""
-        return self.lm_head.greedy_tokens(hidden)
+        self.init_lm_head(config, dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tied else ())
-        if get_pp_size() > 1:
-            copy = "model.embed_tokens.weight" if self.tie_word_embeddings and not self.tied else None
-            weights = stage_weights(self, weights, "model.layers.", self.model.start_layer, self.model.end_layer, copy)
-        return load_stacked_weights(self, weights, self.stacked_params, skip)
+        return load_stacked_weights(self, self.this_stage_weights(weights), self.stacked_params, skip)

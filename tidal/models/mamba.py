@@ -10,11 +10,11 @@ from itertools import islice
 import torch
 from torch import nn
 
-from tidal.distributed import get_pp_size, is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
+from tidal.distributed import is_first_pp_stage, is_last_pp_stage, pp_recv_hidden, pp_send_hidden
 from tidal.layers.embedding import VocabParallelEmbedding
 from tidal.layers.mamba import MambaMixer
 from tidal.layers.norm import RMSNorm
-from tidal.models.utils import load_stacked_weights, make_layers, make_lm_head, stage_weights
+from tidal.models.utils import CausalLM, load_stacked_weights, make_layers
 
 
 class MambaBlock(nn.Module):
@@ -54,31 +54,16 @@ class MambaModel(nn.Module):
         return self.norm_f(hidden.to(self.dtype))
 
 
-class MambaForCausalLM(nn.Module):
+class MambaForCausalLM(CausalLM):
     supports_pp = True  # builds only its stage's layers (MambaModel)
+    backbone_name, embedding_name = "backbone", "embeddings"
 
     def __init__(self, config, dtype=torch.float32, quant=None) -> None:
         super().__init__()
         self.config = config
         self.backbone = MambaModel(config, dtype, quant)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
-                                               self.backbone.embeddings, self.tie_word_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.backbone(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def compute_greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax of compute_logits(hidden) per row, where the LM head's kernel finds it (else None)."""
-        return self.lm_head.greedy_tokens(hidden)
+        self.init_lm_head(config, dtype, tie_default=True)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("lm_head.weight",) if self.tied else ()
-        if get_pp_size() > 1:
-            copy = "backbone.embeddings.weight" if self.tie_word_embeddings and not self.tied else None
-            b = self.backbone
-            weights = stage_weights(self, weights, "backbone.layers.", b.start_layer, b.end_layer, copy)
-        return load_stacked_weights(self, weights, [], skip)
+        return load_stacked_weights(self, self.this_stage_weights(weights), [], skip)

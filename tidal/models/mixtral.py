@@ -9,11 +9,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tidal.distributed import get_pp_size
 from tidal.layers.moe import SparseMoeBlock, split_expert_weights
 from tidal.layers.norm import RMSNorm
 from tidal.models.llama import LlamaAttention, LlamaModel
-from tidal.models.utils import load_stacked_weights, make_lm_head, stage_weights
+from tidal.models.utils import CausalLM, load_stacked_weights
 
 
 class MixtralDecoderLayer(nn.Module):
@@ -40,7 +39,7 @@ class MixtralDecoderLayer(nn.Module):
         return self.block_sparse_moe(hidden), residual
 
 
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(CausalLM):
     supports_pp = True  # LlamaModel with Mixtral's layers: builds only its stage's layers
     stacked_params = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"))
 
@@ -48,24 +47,10 @@ class MixtralForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype, quant, layer_cls=MixtralDecoderLayer)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype,
-                                               self.model.embed_tokens, self.tie_word_embeddings)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def compute_greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax of compute_logits(hidden) per row, where the LM head's kernel finds it (else None)."""
-        return self.lm_head.greedy_tokens(hidden)
+        self.init_lm_head(config, dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("rotary_emb.inv_freq", "experts.w13_weight", "experts.w2_weight")
         skip += ("lm_head.weight",) if self.tied else ()
-        if get_pp_size() > 1:  # before the experts are split out: other stages' experts have no place here
-            copy = "model.embed_tokens.weight" if self.tie_word_embeddings and not self.tied else None
-            weights = stage_weights(self, weights, "model.layers.", self.model.start_layer, self.model.end_layer, copy)
+        weights = self.this_stage_weights(weights)  # before the experts are split out: other stages' have no place
         return load_stacked_weights(self, split_expert_weights(self, weights), self.stacked_params, skip)

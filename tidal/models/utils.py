@@ -94,6 +94,40 @@ def make_lm_head(vocab_size: int, hidden_size: int, dtype, embedding: VocabParal
     return head, False
 
 
+class CausalLM(nn.Module):
+    """What the *ForCausalLM classes share around their backbone (the attribute `backbone_name`: the
+    embedding, this pipeline stage's layers, the final norm): the LM head, tied to the embedding or not, the
+    logits and greedy tokens it computes, and the checkpoint tensors this stage loads."""
+    backbone_name = "model"  # the backbone's attribute, and its tensors' prefix in a checkpoint
+    embedding_name = "embed_tokens"  # the backbone's embedding
+
+    def init_lm_head(self, config, dtype, tie_default: bool = False) -> None:
+        """The LM head (on the last stage), tied to the embedding where config.tie_word_embeddings (else
+        tie_default) says so. Call once the backbone is built."""
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", tie_default))
+        embedding = getattr(getattr(self, self.backbone_name), self.embedding_name)
+        self.lm_head, self.tied = make_lm_head(config.vocab_size, config.hidden_size, dtype, embedding,
+                                               self.tie_word_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.backbone_name)(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def compute_greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """The argmax of compute_logits(hidden) per row, where the LM head's kernel finds it (else None)."""
+        return self.lm_head.greedy_tokens(hidden)
+
+    def this_stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this pipeline stage loads (`stage_weights`; all of them with one stage)."""
+        if get_pp_size() == 1:
+            return weights
+        backbone, prefix = getattr(self, self.backbone_name), self.backbone_name
+        copy = f"{prefix}.{self.embedding_name}.weight" if self.tie_word_embeddings and not self.tied else None
+        return stage_weights(self, weights, f"{prefix}.layers.", backbone.start_layer, backbone.end_layer, copy)
+
+
 def stage_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], layers_prefix: str,
                   start: int, end: int, lm_head_copy_of: str | None = None
                   ) -> Iterator[tuple[str, torch.Tensor]]:
