@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,15 +64,16 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """Where the engine thread delivers one request's outputs (or its error), and the request's prompt (text,
-    token ids) as `generate` sent it: an engine core in another process sends its outputs without it."""
+    """Where the engine thread delivers one request's outputs (or its error): `deliver(item)`, called on the
+    consumer's event loop; and the request's prompt (text, token ids) as the caller sent it: an engine core in
+    another process sends its outputs without it."""
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    deliver: Callable[[RequestOutput | BaseException], None]
     prompt: tuple[str | None, list[int]]
 
     def put(self, item: RequestOutput | BaseException) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(_put_all, [(self.deliver, item)])
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             pass
 
@@ -80,9 +81,9 @@ class _Stream:
 def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     """Hand a step's outputs to their streams with one wake-up of each consumer loop (a step of 64 requests
     wakes a server's event loop once, not 64 times), each stream's items in their order."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable, object]]] = {}
     for stream, item in items:
-        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        by_loop.setdefault(stream.loop, []).append((stream.deliver, item))
     for loop, pairs in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, pairs)
@@ -90,9 +91,12 @@ def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None
             pass
 
 
-def _put_all(pairs: list[tuple[asyncio.Queue, object]]) -> None:
-    for q, item in pairs:
-        q.put_nowait(item)
+def _put_all(pairs: list[tuple[Callable, object]]) -> None:
+    for deliver, item in pairs:
+        try:
+            deliver(item)
+        except Exception:  # noqa: BLE001 - one consumer's failure must not keep the step's outputs from the others
+            logger.exception("a request's stream failed on its output")
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result, error) -> None:
@@ -173,31 +177,57 @@ class AsyncLLM:
                        cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream delta RequestOutputs for one request until it finishes. A bad prompt or
         duplicate id raises ValueError before anything is queued."""
-        self._check_alive()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.engine.process_prompt(prompt)
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), (text, ids))
-        self._streams[request_id] = stream
-        self._num_adds_sent += 1
-        self._send(("add", request_id, {"prompt": text, "prompt_token_ids": ids},
-                    params.clone(output_kind="delta"), cache_salt))
+        outputs: asyncio.Queue = asyncio.Queue()
+        self.stream_to(prompt, params, request_id, outputs.put_nowait, cache_salt)
         finished = False
         try:
-            self._check_alive()  # the loop may have died before it saw this stream
             while not finished:
-                item = await stream.queue.get()
+                item = await outputs.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already forgot this request
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
             if not finished:
-                self.abort(request_id)
+                self.cancel(request_id)
+
+    def stream_to(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                  deliver: Callable[[RequestOutput | BaseException], None], cache_salt: str | None = None) -> None:
+        """Queue one request whose delta RequestOutputs go to deliver(output) on the calling event loop, in
+        order, from the callback that hands the loop a step's outputs: no task wakes for an output (what a
+        server streaming many requests saves per token). The last call is the finished output, or the
+        exception that ended the request. deliver must not block; an exception it raises is logged. A bad
+        prompt or duplicate id raises ValueError before anything is queued; cancel(request_id) stops it."""
+        self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.engine.process_prompt(prompt)
+        streams = self._streams
+        if request_id in streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+        def deliver_last_once(item: RequestOutput | BaseException) -> None:
+            if streams.get(request_id) is not stream:  # cancelled: nobody is listening any more
+                return
+            if isinstance(item, BaseException) or item.finished:
+                del streams[request_id]  # the engine already forgot this request
+            deliver(item)
+
+        stream = streams[request_id] = _Stream(asyncio.get_running_loop(), deliver_last_once, (text, ids))
+        self._num_adds_sent += 1
+        self._send(("add", request_id, {"prompt": text, "prompt_token_ids": ids},
+                    params.clone(output_kind="delta"), cache_salt))
+        try:
+            self._check_alive()  # the loop may have died before it saw this stream
+        except EngineDeadError:
+            self.cancel(request_id)
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a stream_to request early: nothing more is delivered, and the engine aborts it."""
+        if self._streams.pop(request_id, None) is not None:
+            self.abort(request_id)
 
     async def call_in_engine(self, fn):
         """Run fn(engine) on the engine thread between two steps (where the engine's state is consistent)

@@ -16,20 +16,20 @@ With `max_waiting_requests` set on the AsyncLLM, a request that finds the queue 
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tidal
 from tidal.engine.async_llm import AsyncLLM
 from tidal.entrypoints.openai.dashboard import add_dashboard_routes, checks_own_key
+from tidal.entrypoints.openai.event_stream import EventSource, EventStream, cancel_on_disconnect
 from tidal.entrypoints.openai.input_guard import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -91,40 +91,25 @@ def _field_path(loc) -> str:
 RETRY_AFTER_S = 1  # what an overloaded server asks clients to wait before trying again
 
 
-async def _until_disconnected(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+class _RequireKey:
+    """ASGI middleware: every HTTP route but /health, CORS preflights and the routes that check a key of their
+    own answers 401 without `Authorization: Bearer <key>` (compared in constant time: no key-guessing by
+    timing). A plain ASGI layer: the responses it lets through, streams included, pass untouched."""
 
-
-async def _cancel_on_disconnect(receive: Receive, coro):
-    """Run coro; if the client goes away first, cancel it (which aborts its engine requests)."""
-    work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_until_disconnected(receive))
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
-        return None
-    finally:
-        watch.cancel()
-
-
-class _EngineStreamingResponse(StreamingResponse):
-    """A stream of engine outputs that ends as soon as the client goes away, even while nothing is being
-    sent (starlette only notices on the next send), and always closes its body: that aborts the engine
-    requests behind it at once instead of whenever the generator is garbage-collected."""
+    def __init__(self, app: ASGIApp, expected: bytes) -> None:
+        self.app, self.expected = app, expected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await _cancel_on_disconnect(receive, self.stream_response(send))
-        except OSError:  # the client went away during a send
-            pass
-        finally:
-            await self.body_iterator.aclose()
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path != "/health" and not checks_own_key(path) and scope["method"] != "OPTIONS":
+                given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if not hmac.compare_digest(given, self.expected):
+                    response = JSONResponse(error_body(401, "Incorrect or missing API key: send 'Authorization: "
+                                                       "Bearer <key>'", None, "invalid_api_key"), status_code=401)
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
@@ -161,18 +146,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
         app.add_middleware(RequestBodyLimit, max_bytes=max_request_body_bytes)
 
     if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def _authenticate(request: Request, call_next):
-            path = request.url.path
-            if path != "/health" and not checks_own_key(path) and request.method != "OPTIONS":
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):  # constant time: no key-guessing by timing
-                    return JSONResponse(error_body(401, "Incorrect or missing API key: send "
-                                                   "'Authorization: Bearer <key>'", None, "invalid_api_key"),
-                                        status_code=401)
-            return await call_next(request)
+        app.add_middleware(_RequireKey, expected=f"Bearer {api_key}".encode())
 
     add_cors(app, allowed_origins)  # outermost: a refused key still carries the CORS headers
 
@@ -183,15 +157,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, api_key: str | None =
                                                 f" Retry after {RETRY_AFTER_S} s.", None, "overloaded"),
                                 status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            result = await _cancel_on_disconnect(request.receive, handler.create(body))
+            result = await cancel_on_disconnect(request.receive, handler.create(body))
         except APIError as e:
             return _error_response(e)
         if result is None:  # client gone
             return Response(status_code=499)
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return _EngineStreamingResponse(result, media_type="text/event-stream",
-                                        headers={"Cache-Control": "no-cache"})
+        if isinstance(result, EventSource):  # stream=true: the events, sent as the engine delivers them
+            return EventStream(result)
+        return JSONResponse(result)
 
     @app.get("/health")
     async def health():

@@ -3,21 +3,24 @@ request logging, SSE framing and the merge of several request streams into one."
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from pydantic import BaseModel
 
 from tidal.engine.async_llm import AsyncLLM, EngineDeadError
 from tidal.engine.llm_engine import StepError
+from tidal.entrypoints.openai.event_stream import DONE_EVENT, EventSource
 from tidal.entrypoints.openai.input_guard import (
     DEFAULT_MAX_LOGPROBS,
     check_request_limits,
     check_text_length,
     max_token_chars,
 )
+from tidal.outputs import RequestOutput
 
 logger = logging.getLogger("tidal.entrypoints.openai")
 
@@ -162,6 +165,84 @@ def sse(data: BaseModel | dict | str) -> str:
     if isinstance(data, BaseModel):
         return f"data: {data.model_dump_json()}\n\n"
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class EngineEvents(EventSource):
+    """The events of a streamed request whose engine requests run through AsyncLLM.stream_to: a subclass
+    queues them in begin() (with run()) and turns each delivered output into events in on_output(). Once
+    every request has finished, last_events() (the usage chunk) and [DONE] end the stream; an exception
+    delivered or raised while writing ends it with an error event (a 400 for a refused prompt, else the
+    engine's error) and [DONE], and cancels the requests still running."""
+    prompt_field = "prompt"  # the request field a refused prompt's 400 names
+
+    def __init__(self, ctx: ServingContext, request_id: str) -> None:
+        self.ctx, self.request_id = ctx, request_id
+        self.running: set[str] = set()  # engine request ids until their last output
+        self.emit: Callable[[str], None] | None = None
+        self.end: Callable[[], None] | None = None
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def on_output(self, key, out: RequestOutput) -> None:
+        raise NotImplementedError
+
+    def last_events(self) -> list[str]:
+        return []
+
+    def start(self, emit: Callable[[str], None], end: Callable[[], None]) -> None:
+        self.emit, self.end = emit, end
+        try:
+            self.begin()
+        except Exception as e:  # noqa: BLE001 - the engine stopped (or refused a prompt) since validation
+            self._fail(e)
+
+    def run(self, request_id: str, prompt: dict, params, cache_salt: str | None, key) -> None:
+        """Queue one engine request; its outputs go to on_output(key, output)."""
+        self.running.add(request_id)
+        self.ctx.async_llm.stream_to(prompt, params, request_id, functools.partial(self._deliver, request_id, key),
+                                     cache_salt)
+
+    def cancel(self) -> None:
+        for request_id in self.running:
+            self.ctx.async_llm.cancel(request_id)
+        self.running.clear()
+
+    def _deliver(self, request_id: str, key, item: RequestOutput | BaseException) -> None:
+        if self.emit is None:  # ended
+            return
+        try:
+            if isinstance(item, BaseException):
+                self.running.discard(request_id)  # the engine already forgot it
+                self._fail(item)
+                return
+            self.on_output(key, item)
+            if item.finished:
+                self.running.discard(request_id)
+                if not self.running:
+                    for event in self.last_events():
+                        self.emit(event)
+                    self._close()
+        except Exception as e:  # noqa: BLE001 - an event that cannot be written ends this stream, not the server
+            logger.exception("streaming %s failed", self.request_id)
+            self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        self.cancel()
+        body = (bad_request(error, self.prompt_field) if isinstance(error, ValueError)
+                else engine_error(error)).body()
+        try:
+            self.emit(sse(body))
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        emit, end = self.emit, self.end
+        self.emit = self.end = None
+        try:
+            emit(DONE_EVENT)
+        finally:
+            end()
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncGenerator[tuple[int, object], None]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator
 
 from tidal.engine.async_llm import EngineDeadError
 from tidal.entrypoints.openai.protocol import (
@@ -27,6 +26,7 @@ from tidal.entrypoints.openai.protocol import (
 )
 from tidal.entrypoints.openai.serving_base import (
     APIError,
+    EngineEvents,
     ServingContext,
     bad_request,
     engine_error,
@@ -35,6 +35,7 @@ from tidal.entrypoints.openai.serving_base import (
 )
 from tidal.entrypoints.openai.serving_completion import _prompt_logprobs_json
 from tidal.entrypoints.openai.tool_calls import ToolCallStream, ToolSetup, full_message, setup_tools
+from tidal.outputs import RequestOutput
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -178,10 +179,10 @@ class ChatHandler:
         ctx.check_params(params, "tools" if tools.constraint else request.structured_field())
         request_id = random_id("chatcmpl")
         ctx.log_request(request_id, text, ids, params)
+        if request.stream:
+            return _ChatEvents(ctx, request, request_id, tools, (text, ids), params)
         stream = merge_async_iterators(ctx.async_llm.generate({"prompt": text, "prompt_token_ids": ids}, params,
                                                               request_id, request.cache_salt))
-        if request.stream:
-            return self._stream(request, request_id, tools, len(ids), stream)
         return await self._full(request, request_id, tools, len(ids), stream)
 
     async def _full(self, request, request_id: str, tools: ToolSetup, num_prompt: int, stream) -> dict:
@@ -220,45 +221,55 @@ class ChatHandler:
                                                       total_tokens=num_prompt + num_gen),
                                       prompt_logprobs=prompt_logprobs).model_dump()
 
-    async def _stream(self, request, request_id: str, tools: ToolSetup, num_prompt: int,
-                      stream) -> AsyncGenerator[str, None]:
-        model = self.ctx.served_model_name
-        created = int(time.time())
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
 
-        def chunk(choices, usage=None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                           usage=usage))
+class _ChatEvents(EngineEvents):
+    """A streamed chat completion's events: the role first (as OpenAI sends it, so that clients can open the
+    message before any text), then each output's delta as the step delivers it (an EventStream's source)."""
+    prompt_field = "messages"
 
-        # The role first, as OpenAI does, so clients can open the message before any text.
+    def __init__(self, ctx: ServingContext, request, request_id: str, tools: ToolSetup, prompt, params) -> None:
+        super().__init__(ctx, request_id)
+        self.request, self.tools, self.prompt, self.params = request, tools, prompt, params
+        self.created = int(time.time())
+        self.num_gen = 0
+        self.texts = [""] * request.n
+        self.calls = [ToolCallStream(tools.parser) for _ in range(request.n)] if tools.parser is not None else None
+
+    def _chunk(self, choices, usage=None) -> str:
+        return sse(ChatCompletionChunk(id=self.request_id, created=self.created, model=self.ctx.served_model_name,
+                                       choices=choices, usage=usage))
+
+    def begin(self) -> None:
+        request = self.request
         first = request.messages[-1].content if request.echo and isinstance(request.messages[-1].content, str) \
             else ""
         for i in range(request.n):
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=first))])
-        num_gen = 0
-        texts = [""] * request.n
-        calls = [ToolCallStream(tools.parser) for _ in range(request.n)] if tools.parser is not None else None
-        try:
-            async for _, out in stream:
-                for o in out.outputs:
-                    num_gen += len(o.token_ids)
-                    lp = _chat_logprobs(o.token_ids, o.logprobs, request.top_logprobs or 0) \
-                        if request.logprobs and o.logprobs is not None else None
-                    if not o.text and not o.token_ids and o.finish_reason is None:
-                        continue
-                    delta, finish = DeltaMessage(content=o.text), o.finish_reason
-                    if calls is not None:
-                        texts[o.index] += o.text
-                        content, deltas = calls[o.index].update(texts[o.index], o.finish_reason is not None)
-                        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
-                        if calls[o.index].has_calls and not tools.named and finish == "stop":
-                            finish = "tool_calls"
-                    yield chunk([ChatStreamChoice(index=o.index, delta=delta, logprobs=lp,
-                                                  finish_reason=finish, stop_reason=o.stop_reason)])
-        except (EngineDeadError, RuntimeError) as e:
-            yield sse(engine_error(e).body())
-        else:
-            if include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_gen,
-                                          total_tokens=num_prompt + num_gen))
-        yield sse("[DONE]")
+            self.emit(self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=first))]))
+        text, ids = self.prompt
+        self.run(self.request_id, {"prompt": text, "prompt_token_ids": ids}, self.params, request.cache_salt, None)
+
+    def on_output(self, _key, out: RequestOutput) -> None:
+        request, calls = self.request, self.calls
+        for o in out.outputs:
+            self.num_gen += len(o.token_ids)
+            lp = _chat_logprobs(o.token_ids, o.logprobs, request.top_logprobs or 0) \
+                if request.logprobs and o.logprobs is not None else None
+            if not o.text and not o.token_ids and o.finish_reason is None:
+                continue
+            delta, finish = DeltaMessage(content=o.text), o.finish_reason
+            if calls is not None:
+                self.texts[o.index] += o.text
+                content, deltas = calls[o.index].update(self.texts[o.index], o.finish_reason is not None)
+                delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+                if calls[o.index].has_calls and not self.tools.named and finish == "stop":
+                    finish = "tool_calls"
+            self.emit(self._chunk([ChatStreamChoice(index=o.index, delta=delta, logprobs=lp, finish_reason=finish,
+                                                    stop_reason=o.stop_reason)]))
+
+    def last_events(self) -> list[str]:
+        options = self.request.stream_options
+        if options is None or not options.include_usage:
+            return []
+        num_prompt = len(self.prompt[1])
+        return [self._chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=self.num_gen,
+                                          total_tokens=num_prompt + self.num_gen))]
