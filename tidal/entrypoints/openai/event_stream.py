@@ -7,7 +7,10 @@ that completes without waiting (the connection's buffer has room: the usual case
 wake-up. One that would wait is finished by a writer task, and the events that come meanwhile queue behind
 it, in order. Streaming through an async generator instead (Starlette's StreamingResponse) wakes a task and
 its generators for every event: at 64 streams of a saturated 2-core CPU that was a third of the API
-server's CPU time, taken from the engine's cores (docs/cpu.md, the twentieth round).
+server's CPU time, taken from the engine's cores (docs/cpu.md, the twentieth round). A send runs outside
+any task, so the middleware under it must not need one: plain ASGI middleware (Tidal's) passes sends
+through; Starlette's BaseHTTPMiddleware, which hands them between tasks, does not (a send that fails is
+logged and ends the stream).
 """
 from __future__ import annotations
 
