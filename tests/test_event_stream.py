@@ -263,3 +263,64 @@ def test_chat_events_end_with_the_engine_error():
     llm.delivers["chatcmpl-abc"](EngineDeadError("the engine core process exited", in_flight=True))
     error = json.loads(emitted[-2][6:])["error"]
     assert error["code"] == 500 and "exited" in error["message"] and ended == [True]
+
+
+def _app_streaming_two_events(with_base_http_middleware: bool):
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    if with_base_http_middleware:
+        @app.middleware("http")
+        async def passthrough(request, call_next):  # hands every send to another task
+            return await call_next(request)
+
+    @app.get("/events")
+    async def events():
+        return EventStream(TwoEvents())
+    return app
+
+
+def _get_under_uvicorn(app) -> bytes:
+    """GET /events from app served by uvicorn on a thread (a real server: its sends run as in production)."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/events", timeout=10).read()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_events_reach_the_client_with_or_without_a_base_http_middleware():
+    # BaseHTTPMiddleware hands each send to another task (anyio): a send run outside a task fails there, so
+    # such an app's events go through the writer task
+    for wrapped in (False, True):
+        body = _get_under_uvicorn(_app_streaming_two_events(wrapped))
+        assert body == ("data: 0\n\ndata: 1\n\n" + DONE_EVENT).encode(), wrapped
+
+
+def test_a_sender_that_is_not_eager_keeps_the_order():
+    async def run():
+        send = SlowSend()
+        sender = _EagerSender(send, lambda error: None, eager=False)
+        for i in range(20):
+            sender.send(b"%d" % i)
+        assert send.bodies == []  # nothing sent outside the writer task
+        await sender.flush()
+        return send.bodies
+    assert asyncio.run(run()) == [b"%d" % i for i in range(20)]

@@ -7,10 +7,10 @@ that completes without waiting (the connection's buffer has room: the usual case
 wake-up. One that would wait is finished by a writer task, and the events that come meanwhile queue behind
 it, in order. Streaming through an async generator instead (Starlette's StreamingResponse) wakes a task and
 its generators for every event: at 64 streams of a saturated 2-core CPU that was a third of the API
-server's CPU time, taken from the engine's cores (docs/cpu.md, the twentieth round). A send runs outside
-any task, so the middleware under it must not need one: plain ASGI middleware (Tidal's) passes sends
-through; Starlette's BaseHTTPMiddleware, which hands them between tasks, does not (a send that fails is
-logged and ends the stream).
+server's CPU time, taken from the engine's cores (docs/cpu.md, the twentieth round). A send run outside
+any task needs middleware that passes sends through (plain ASGI middleware, as Tidal's); an app with
+Starlette's BaseHTTPMiddleware, which hands each send to another task, gets every event sent by a writer
+task instead, in order.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 
 from fastapi.responses import Response
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
@@ -87,11 +88,12 @@ class _Resumed:
 
 
 class _EagerSender:
-    """Body chunks through an ASGI send, each started at once (see the module's docstring). After a failed
-    send (the client went away) the rest are dropped and on_error(error) is called once."""
+    """Body chunks through an ASGI send, each started at once (see the module's docstring), or, when not
+    eager, each handed to a writer task. After a failed send (the client went away) the rest are dropped and
+    on_error(error) is called once."""
 
-    def __init__(self, send: Send, on_error: Callable[[BaseException], None]) -> None:
-        self._send, self._on_error = send, on_error
+    def __init__(self, send: Send, on_error: Callable[[BaseException], None], eager: bool = True) -> None:
+        self._send, self._on_error, self.eager = send, on_error, eager
         self._behind: deque[bytes] = deque()  # chunks waiting for the writer task's send
         self._writer: asyncio.Task | None = None
         self.error: BaseException | None = None
@@ -99,8 +101,10 @@ class _EagerSender:
     def send(self, data: bytes) -> None:
         if self.error is not None:
             return
-        if self._writer is not None:
+        if self._writer is not None or not self.eager:
             self._behind.append(data)
+            if self._writer is None:
+                self._writer = asyncio.ensure_future(self._finish(None, None))
             return
         coro = self._send({"type": "http.response.body", "body": data, "more_body": True})
         try:
@@ -112,9 +116,10 @@ class _EagerSender:
             return
         self._writer = asyncio.ensure_future(self._finish(coro, waits_on))
 
-    async def _finish(self, coro: Coroutine, waits_on) -> None:
+    async def _finish(self, coro: Coroutine | None, waits_on) -> None:
         try:
-            await _Resumed(coro, waits_on)
+            if coro is not None:
+                await _Resumed(coro, waits_on)
             while self._behind and self.error is None:
                 await self._send({"type": "http.response.body", "body": self._behind.popleft(), "more_body": True})
         except Exception as e:  # noqa: BLE001 - as in send()
@@ -133,6 +138,12 @@ class _EagerSender:
         """Return once every chunk given so far is sent (or sending failed)."""
         while self._writer is not None:
             await self._writer
+
+
+def _passes_sends_through(app) -> bool:
+    """Whether the app's middleware lets a send run outside a task: none of it is a BaseHTTPMiddleware."""
+    return not any(isinstance(m.cls, type) and issubclass(m.cls, BaseHTTPMiddleware)
+                   for m in getattr(app, "user_middleware", ()))
 
 
 class EventStream(Response):
@@ -157,7 +168,7 @@ class EventStream(Response):
         def stop(_error: BaseException) -> None:
             self.source.cancel()
             end()
-        sender = _EagerSender(send, stop)
+        sender = _EagerSender(send, stop, eager=_passes_sends_through(scope.get("app")))
 
         async def run() -> bool:
             self.source.start(lambda event: sender.send(event.encode()), end)
