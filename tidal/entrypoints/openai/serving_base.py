@@ -20,6 +20,7 @@ from tidal.entrypoints.openai.input_guard import (
     check_text_length,
     max_token_chars,
 )
+from tidal.entrypoints.openai.protocol import UsageInfo
 from tidal.outputs import RequestOutput
 
 logger = logging.getLogger("tidal.entrypoints.openai")
@@ -169,14 +170,16 @@ def sse(data: BaseModel | dict | str) -> str:
 
 class EngineEvents(EventSource):
     """The events of a streamed request whose engine requests run through AsyncLLM.stream_to: a subclass
-    queues them in begin() (with run()) and turns each delivered output into events in on_output(). Once
-    every request has finished, last_events() (the usage chunk) and [DONE] end the stream; an exception
+    queues them in begin() (with run()) and turns each delivered output into events in on_output(), counting
+    num_gen. Once every request has finished, the usage chunk (with stream_options.include_usage) and [DONE]
+    end the stream; an exception
     delivered or raised while writing ends it with an error event (a 400 for a refused prompt, else the
     engine's error) and [DONE], and cancels the requests still running."""
     prompt_field = "prompt"  # the request field a refused prompt's 400 names
 
-    def __init__(self, ctx: ServingContext, request_id: str) -> None:
-        self.ctx, self.request_id = ctx, request_id
+    def __init__(self, ctx: ServingContext, request, request_id: str, num_prompt: int) -> None:
+        self.ctx, self.request, self.request_id, self.num_prompt = ctx, request, request_id, num_prompt
+        self.num_gen = 0  # tokens generated so far, over all the requests
         self.running: set[str] = set()  # engine request ids until their last output
         self.emit: Callable[[str], None] | None = None
         self.end: Callable[[], None] | None = None
@@ -187,8 +190,9 @@ class EngineEvents(EventSource):
     def on_output(self, key, out: RequestOutput) -> None:
         raise NotImplementedError
 
-    def last_events(self) -> list[str]:
-        return []
+    def chunk(self, choices, usage: UsageInfo | None = None) -> str:
+        """The SSE event of one chunk of the response (its choices; the usage chunk: none and the usage)."""
+        raise NotImplementedError
 
     def start(self, emit: Callable[[str], None], end: Callable[[], None]) -> None:
         self.emit, self.end = emit, end
@@ -220,8 +224,11 @@ class EngineEvents(EventSource):
             if item.finished:
                 self.running.discard(request_id)
                 if not self.running:
-                    for event in self.last_events():
-                        self.emit(event)
+                    options = self.request.stream_options
+                    if options is not None and options.include_usage:
+                        usage = UsageInfo(prompt_tokens=self.num_prompt, completion_tokens=self.num_gen,
+                                          total_tokens=self.num_prompt + self.num_gen)
+                        self.emit(self.chunk([], usage))
                     self._close()
         except Exception as e:  # noqa: BLE001 - an event that cannot be written ends this stream, not the server
             logger.exception("streaming %s failed", self.request_id)

@@ -228,14 +228,13 @@ class _ChatEvents(EngineEvents):
     prompt_field = "messages"
 
     def __init__(self, ctx: ServingContext, request, request_id: str, tools: ToolSetup, prompt, params) -> None:
-        super().__init__(ctx, request_id)
-        self.request, self.tools, self.prompt, self.params = request, tools, prompt, params
+        super().__init__(ctx, request, request_id, len(prompt[1]))
+        self.tools, self.prompt, self.params = tools, prompt, params
         self.created = int(time.time())
-        self.num_gen = 0
         self.texts = [""] * request.n
         self.calls = [ToolCallStream(tools.parser) for _ in range(request.n)] if tools.parser is not None else None
 
-    def _chunk(self, choices, usage=None) -> str:
+    def chunk(self, choices, usage: UsageInfo | None = None) -> str:
         return sse(ChatCompletionChunk(id=self.request_id, created=self.created, model=self.ctx.served_model_name,
                                        choices=choices, usage=usage))
 
@@ -244,7 +243,7 @@ class _ChatEvents(EngineEvents):
         first = request.messages[-1].content if request.echo and isinstance(request.messages[-1].content, str) \
             else ""
         for i in range(request.n):
-            self.emit(self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=first))]))
+            self.emit(self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=first))]))
         text, ids = self.prompt
         self.run(self.request_id, {"prompt": text, "prompt_token_ids": ids}, self.params, request.cache_salt, None)
 
@@ -263,13 +262,5 @@ class _ChatEvents(EngineEvents):
                 delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
                 if calls[o.index].has_calls and not self.tools.named and finish == "stop":
                     finish = "tool_calls"
-            self.emit(self._chunk([ChatStreamChoice(index=o.index, delta=delta, logprobs=lp, finish_reason=finish,
+            self.emit(self.chunk([ChatStreamChoice(index=o.index, delta=delta, logprobs=lp, finish_reason=finish,
                                                     stop_reason=o.stop_reason)]))
-
-    def last_events(self) -> list[str]:
-        options = self.request.stream_options
-        if options is None or not options.include_usage:
-            return []
-        num_prompt = len(self.prompt[1])
-        return [self._chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=self.num_gen,
-                                          total_tokens=num_prompt + self.num_gen))]

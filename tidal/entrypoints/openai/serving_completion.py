@@ -176,13 +176,12 @@ class _CompletionEvents(EngineEvents):
 
     def __init__(self, handler: CompletionHandler, request: CompletionRequest, request_id: str, prompts,
                  params) -> None:
-        super().__init__(handler.ctx, request_id)
-        self.handler, self.request, self.prompts, self.params = handler, request, prompts, params
+        super().__init__(handler.ctx, request, request_id, sum(len(ids) for _, ids in prompts))
+        self.handler, self.prompts, self.params = handler, prompts, params
         self.created = int(time.time())
         self.builders = [_LogprobsBuilder() for _ in range(len(prompts) * request.n)]
         self.echoed: set[int] = set()  # choices whose prompt echo went out (each sample may start later)
         self.sent_prompt_lps: set[int] = set()
-        self.num_gen = 0
         self.plain = request.logprobs is None and not request.echo and request.prompt_logprobs is None
         self.head = (f'data: {{"id":{_json_str(request_id)},"object":"text_completion","created":{self.created},'
                      f'"model":{_json_str(self.ctx.served_model_name)},"choices":[{{"index":')
@@ -218,16 +217,8 @@ class _CompletionEvents(EngineEvents):
             if request.prompt_logprobs is not None and i not in self.sent_prompt_lps:
                 self.sent_prompt_lps.add(i)
                 choice.prompt_logprobs = _prompt_logprobs_json(out.prompt_logprobs or [])
-            self.emit(sse(self._chunk([choice])))
+            self.emit(self.chunk([choice]))
 
-    def last_events(self) -> list[str]:
-        options = self.request.stream_options
-        if options is None or not options.include_usage:
-            return []
-        num_prompt = sum(len(ids) for _, ids in self.prompts)
-        return [sse(self._chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=self.num_gen,
-                                               total_tokens=num_prompt + self.num_gen)))]
-
-    def _chunk(self, choices, usage: UsageInfo | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.served_model_name,
-                                  choices=choices, usage=usage)
+    def chunk(self, choices, usage: UsageInfo | None = None) -> str:
+        return sse(CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.served_model_name,
+                                      choices=choices, usage=usage))
