@@ -49,7 +49,8 @@ run_engine() {
 if [[ " $ENGINES " == *" vllm "* ]]; then
   [ -x "$venv/bin/python" ] || { echo "run $here/setup_vllm_cpu.sh first" >&2; exit 2; }
   preload=""
-  tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
+  # (awk reads the whole list: an early exit would end ldconfig by SIGPIPE now and then, and pipefail the script)
+  tc=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 / && !found {print $NF; found = 1}')
   [ -n "$tc" ] && preload="$tc"
   [ -f "$venv/lib/libiomp5.so" ] && preload="${preload:+$preload:}$venv/lib/libiomp5.so"
   vllm_env=("${isa_env[@]}")
