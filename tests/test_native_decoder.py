@@ -79,6 +79,40 @@ def test_the_last_layer_runs_only_for_the_rows_that_sample(llama_bf16, dtype):
 
 
 @pytest.fixture(scope="module")
+def llama_tied(tmp_path_factory):  # the LM head tied to the embedding (as SmolLM2's)
+    return save_tiny_model(str(tmp_path_factory.mktemp("llama-tied")), tiny_config("llama", tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_embedding_and_the_final_norm_run_in_the_native_call(llama, llama_tied, dtype, tied):
+    """The first stage's embedding lookup and the last stage's final RMSNorm run in the decoder's own call
+    (their Python calls after a forward were ~0.1 ms each of a single stream's step): neither module is
+    called then, and every token and logprob is bitwise what the Python embedding, layers and norm give.
+    A bf16 table is packed at load where the CPU has AVX-512 BF16 (tied to the LM head or not), and read
+    back by the same unpacking kernel the Python lookup calls."""
+    llm = LLM(llama_tied if tied else llama, dtype=dtype, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
+    model = llm.llm_engine.runner.model.model
+    packed = getattr(model.embed_tokens.weight, "bf16_packed", None) is not None
+    assert packed == (dtype == "bfloat16" and cpu_isa() == "avx512_bf16")  # (tied or not)
+    calls = {"embed": 0, "norm": 0}
+    for name, module in (("embed", model.embed_tokens), ("norm", model.norm)):
+        module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    decoder = _decoder(llm)
+    assert decoder.final_norm is model.norm and decoder.embedding is not None
+    assert (decoder.embedding[1] is not None) == packed
+    native = _run(llm, _prompts())
+    if dtype == "bfloat16" and cpu_isa() != "avx512_bf16":  # bf16 products there are torch's: Python layers
+        assert decoder.calls == 0 and calls["embed"] > 0
+        return
+    assert decoder.calls > 0 and calls == {"embed": 0, "norm": 0}
+    model._native[:] = [None]
+    python = _run(llm, _prompts())
+    assert calls["embed"] > 0 and calls["norm"] > 0  # the Python path calls them
+    assert native[0] == python[0] and torch.equal(native[1], python[1])
+
+
+@pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):  # QKV bias
     return save_tiny_model(str(tmp_path_factory.mktemp("qwen2")), tiny_config("qwen2"))
 

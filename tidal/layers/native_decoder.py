@@ -11,7 +11,8 @@ plain `LlamaDecoderLayer` (Llama, Qwen2, Mistral, SmolLM) on the CPU, no tensor 
 parallel products all-reduce in Python), fp32 or bf16 activations, and every linear layer's method one
 whose kernel the driver can call (`_resolve`). Per forward, `forward` runs under the CPU-native
 attention backend (decodes and prompt chunks alike); anything else returns None and the Python layers
-run.
+run. The same call looks up the first stage's embeddings where their table is one it can read (plain in
+the activations' dtype, or bf16 packed at load) and runs the last stage's final RMSNorm.
 TIDAL_NATIVE_DECODER=0 turns it off (an A/B switch for benchmarks: both paths give the same bits).
 `suspended()` sends forwards to the Python layers for a while (module hooks, such as the w8a8 smoothing's
 activation observers, run only there).
@@ -64,13 +65,14 @@ class _Model(Structure):
         ("eps", c_float), ("scale", c_float), ("dtype", c_int32), ("threads", c_int32),
         ("rms_norm", c_void_p), ("rope", c_void_p), ("write_kv", c_void_p), ("attention", c_void_p),
         ("silu_and_mul", c_void_p), ("gate_up_silu", c_void_p), ("cos_full", c_void_p), ("sin_signed", c_void_p),
-        ("layers", POINTER(_Layer))]
+        ("layers", POINTER(_Layer)), ("final_norm", c_void_p), ("final_eps", c_float), ("embed_table", c_void_p),
+        ("embed_unpack", c_void_p), ("embed_rows", c_int64)]
 
 
 def _configure(lib: ctypes.CDLL) -> None:
     lib.tidal_decoder_forward.restype = ctypes.c_int
     lib.tidal_decoder_forward.argtypes = ([c_void_p, c_void_p, c_void_p, ctypes.c_int] + [c_void_p] * 5
-                                          + [c_int64, c_void_p, c_int64])
+                                          + [c_int64, c_void_p, c_int64, c_void_p])
     lib.tidal_decoder_reserve.restype = c_int64
     lib.tidal_decoder_reserve.argtypes = [c_void_p, c_int64]
 
@@ -177,11 +179,35 @@ def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bo
     return None
 
 
+def _embedding(embedding, dtype: torch.dtype, hidden: int) -> tuple[torch.Tensor, int | None, int] | None:
+    """(table, the unpacking kernel's address or None, rows) of an embedding whose lookup the driver can do:
+    a plain table in the activations' dtype (F.embedding's rows), or a bf16 one packed for the LM head tied
+    to it (unpack_bf16_rows); None elsewhere (GGUF blocks, a quantized or narrower table: the Python lookup)."""
+    if embedding is None or embedding.tp_size != 1 or embedding.dtype != dtype or embedding.weight_scale is not None:
+        return None
+    table = embedding.weight
+    if table.device.type != "cpu" or not table.is_contiguous():
+        return None
+    packed = getattr(table, "bf16_packed", None)
+    if packed is not None:
+        gemm = cpu_kernels.gemm_lib()
+        if gemm is None or dtype != torch.bfloat16 or packed[1] != hidden:
+            return None
+        return table, _addr(gemm, "tidal_unpack_bf16_rows"), table.shape[0] * 16  # (unpack_bf16_rows' bound)
+    if table.dtype != dtype or table.dim() != 2 or table.shape[1] != hidden:
+        return None
+    return table, None, table.shape[0]
+
+
 class NativeDecoder:
     """The decoder layers of one LlamaModel stage, run by csrc/decoder.cpp (see the module docstring)."""
 
-    def __init__(self, layers: list, dtype: torch.dtype) -> None:
-        self.layers, self.dtype = layers, dtype
+    def __init__(self, layers: list, dtype: torch.dtype, final_norm=None, embedding=None) -> None:
+        """final_norm: the model's final RMSNorm (on the last pipeline stage), run after the last layer in the
+        same call, or None; embedding: the first stage's VocabParallelEmbedding, whose rows a forward from token
+        ids (forward(input_ids=...)) looks up in the same call, or None. Their Python calls, made after a
+        forward has passed the weights through the caches, each cost a single stream's step ~0.1 ms."""
+        self.layers, self.dtype, self.final_norm, self.embedding = layers, dtype, final_norm, embedding
         self._plans: dict = {}
         self.calls = 0  # forwards run natively (tests and benchmarks read it)
         self.picked_calls = 0  # of which returned only their output rows (ForwardContext.output_rows)
@@ -213,7 +239,11 @@ class NativeDecoder:
                     or not (layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype
                             == model.dtype)):
                 return None
-        return NativeDecoder(layers, model.dtype)
+        norm = model.norm
+        if norm is not None and not (norm.weight.dtype == model.dtype and norm.weight.is_contiguous()
+                                     and norm.weight.device.type == "cpu"):
+            norm = None  # the Python RMSNorm runs after the call
+        return NativeDecoder(layers, model.dtype, norm, _embedding(model.embed_tokens, model.dtype, model.hidden_size))
 
     def _plan(self, key, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bool, threads: int):
         plan = self._plans.get(key, False)
@@ -263,7 +293,11 @@ class NativeDecoder:
                        _DTYPES[x_dtype], threads, _addr(lib, "tidal_rms_norm"), _addr(lib, "tidal_rope_neox"),
                        _addr(lib, "tidal_write_kv"), _addr(lib, "tidal_paged_attention_decode"),
                        _addr(lib, "tidal_silu_and_mul"), gate_up_silu, rotary.cos_full.data_ptr(),
-                       rotary.sin_signed.data_ptr(), array)
+                       rotary.sin_signed.data_ptr(), array,
+                       None if self.final_norm is None else self.final_norm.weight.data_ptr(),
+                       0.0 if self.final_norm is None else self.final_norm.eps,
+                       *((None, None, 0) if self.embedding is None else
+                         (self.embedding[0].data_ptr(), self.embedding[1], self.embedding[2])))
         model._keep = (array, rotary)
         return model
 
@@ -279,16 +313,27 @@ class NativeDecoder:
         plan = self._build(self.dtype, num_tokens, False, invariant, torch.get_num_threads())
         return 0 if plan is None else max(0, lib.tidal_decoder_reserve(ctypes.addressof(plan), num_tokens))
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                last_stage: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The stage's layers over hidden [T, H] (and the residual coming in): (hidden, residual) as the
-        last layer returns them, or None where the Python layers must run. On the last stage, where the
-        forward context names its output rows (ForwardContext.output_rows), only those rows come back."""
+    def forward(self, hidden: torch.Tensor | None, residual: torch.Tensor | None, positions: torch.Tensor,
+                last_stage: bool = False, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The stage's layers over hidden [T, H] (and the residual coming in), or over the embeddings of
+        input_ids [T] (hidden and residual None; self.embedding): (hidden, residual) as the last layer
+        returns them, or, with the final norm (self.final_norm), (its output, None); None where the Python
+        layers (and embedding) must run. On the last stage, where the forward context names its output rows
+        (ForwardContext.output_rows), only those rows come back."""
         ctx = forward_context._CONTEXT
-        T = hidden.shape[0]
-        if (ctx is None or _SUSPENDED[0] or type(ctx.attn_backend) is not CPUNativeBackend or not 1 <= T <= MAX_TOKENS
-                or hidden.dtype != self.dtype or hidden.dim() != 2 or positions.dtype != torch.int64
+        if input_ids is not None:
+            if (self.embedding is None or input_ids.dtype != torch.int64 or input_ids.dim() != 1
+                    or not input_ids.is_contiguous()):
+                return None
+            T = input_ids.shape[0]
+        elif (hidden.dtype != self.dtype or hidden.dim() != 2
                 or (residual is not None and residual.shape != hidden.shape)):
+            return None
+        else:
+            T = hidden.shape[0]
+        if (ctx is None or _SUSPENDED[0] or type(ctx.attn_backend) is not CPUNativeBackend or not 1 <= T <= MAX_TOKENS
+                or positions.dtype != torch.int64):
             return None
         meta = ctx.attn_metadata
         lib = _LIB.get()
@@ -310,16 +355,22 @@ class NativeDecoder:
         plan.max_blocks = table.shape[1]
         n = None if not last_stage or ctx.output_rows is None else len(ctx.output_rows)
         picked = None if n is None else torch.tensor(ctx.output_rows or [0], dtype=torch.int64)
-        out = hidden.contiguous().clone()
+        if input_ids is not None:  # the embeddings are written into it
+            out = torch.empty(T, self.layers[0].input_layernorm.weight.shape[0], dtype=self.dtype)
+        else:
+            out = hidden.contiguous().clone()
         res = torch.empty_like(out) if residual is None else residual.contiguous().clone()
-        if lib.tidal_decoder_forward(ctypes.addressof(plan), out.data_ptr(), res.data_ptr(), residual is not None,
-                                     positions.data_ptr(), slots.data_ptr(), table.data_ptr(), rows.data_ptr(),
-                                     lens.data_ptr(), T, _ptr(picked), n or 0):
+        status = lib.tidal_decoder_forward(ctypes.addressof(plan), out.data_ptr(), res.data_ptr(), residual is not None,
+                                           positions.data_ptr(), slots.data_ptr(), table.data_ptr(), rows.data_ptr(),
+                                           lens.data_ptr(), T, _ptr(picked), n or 0, _ptr(input_ids))
+        if status == 2:  # an id outside the table: the Python lookup says which
+            return None
+        if status:
             self._plans[key] = None  # a kernel refused: this kind of step keeps the Python layers
             return None
         self.calls += 1
         if n is not None:
             self.picked_calls += 1
             self.empty_calls += n == 0
-            return out[:n], res[:n]
-        return out, res
+            out, res = out[:n], res[:n]
+        return (out, None) if self.final_norm is not None else (out, res)

@@ -116,16 +116,23 @@ class LlamaModel(nn.Module):
         return self._native[0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        native = self._native_decoder()
+        last_stage = self.norm is not None
+        fused = None
         if self.embed_tokens is not None:
-            hidden, residual = self.embed_tokens(input_ids), None
+            if native is not None:  # the embedding too, in the native call, where it can
+                fused = native.forward(None, None, positions, last_stage=last_stage, input_ids=input_ids)
+            if fused is None:
+                hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = pp_recv_hidden(input_ids.shape[0], self.hidden_size, self.dtype,
                                               device=input_ids.device)
-        native = self._native_decoder()
-        fused = None if native is None else native.forward(hidden, residual, positions,
-                                                           last_stage=self.norm is not None)
+        if fused is None and native is not None:
+            fused = native.forward(hidden, residual, positions, last_stage=last_stage)
         if fused is not None:
             hidden, residual = fused
+            if residual is None:  # the final norm ran in the same native call
+                return hidden
         else:
             # on the last stage, the last layer carries on after attention only the rows read after the
             # forward (ForwardContext.output_rows): the output product and the MLP skip the others

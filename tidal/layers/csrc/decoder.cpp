@@ -1,6 +1,7 @@
-// A Llama-family decoder stack run from one native call: for each layer, the fused residual + RMSNorm,
-// the QKV product, rotary, the KV-cache write, paged attention, the output product, the second RMSNorm,
-// gate/up, silu-and-mul and the down product, in that order, through the same kernels the Python layers
+// A Llama-family decoder stack run from one native call: the embedding lookup (a first stage's, from token
+// ids), then for each layer the fused residual + RMSNorm, the QKV product, rotary, the KV-cache write, paged
+// attention, the output product, the second RMSNorm, gate/up, silu-and-mul and the down product, in that
+// order, then the final RMSNorm (a last stage's), through the same kernels the Python layers
 // call one by one (their addresses come from the other libraries: cpu_kernels.cpp, gemm.cpp,
 // gguf_gemm.cpp, quant_gemm.cpp). The results are therefore bitwise those of the layer-by-layer path;
 // what goes is the per-op cost of Python, ctypes and tensor allocation, which on a small model's decode
@@ -54,6 +55,14 @@ struct Model {
   const float* cos_full;
   const float* sin_signed;
   const Layer* layers;
+  const void* final_norm;  // or null: the model's final RMSNorm after the last layer (the last pipeline stage)
+  float final_eps;
+  // the embedding of the first stage, for a forward from token ids: a table of embed_rows rows [H] in the
+  // activations' dtype, read row by row (embed_unpack null), or a bf16 table packed for the LM head tied to
+  // it, read through embed_unpack (gemm.cpp: tidal_unpack_bf16_rows); null: the caller gives the hidden states
+  const void* embed_table;
+  const void* embed_unpack;
+  int64_t embed_rows;
 };
 
 using gemm_fn = int (*)(const void*, const void*, const void*, void*, int64_t, int64_t, int64_t, int);
@@ -74,6 +83,7 @@ using attention_fn = void (*)(const void*, int64_t, const void*, const void*, co
 using w8a8_fn = int (*)(const void*, int, const void*, const void*, const void*, const void*, void*, int64_t,
                         int64_t, int64_t, int);
 using silu_fn = int (*)(const void*, void*, int64_t, int64_t, int, int);
+using unpack_fn = int (*)(const void*, const int64_t*, int64_t, int64_t, int64_t, void*, int);
 
 int run_linear(const Linear& l, const void* x, void* out, int64_t M, int dtype, int threads) {
   switch (l.kind) {
@@ -176,16 +186,33 @@ int64_t tidal_decoder_reserve(const Model* m, int64_t T) {
   return written;
 }
 
-// hidden [T, H] in: the embeddings (or the previous stage's hidden states); residual [T, H]: the residual
-// coming in when has_residual, else unset. Both out: the last layer's output and residual, as the Python
-// layers return them. positions, slots, token_rows, seq_lens [T] int64; block_table [*, max_blocks].
-// Returns non-zero when a kernel refused (nothing is half-done that a rerun of the Python layers would not
+// hidden [T, H] in: the embeddings (or the previous stage's hidden states), or, with ids [T] (m's embedding),
+// unset: the rows of ids are looked up here; residual [T, H]: the residual coming in when has_residual, else
+// unset. Both out: the last layer's output and residual, as the Python layers return them; or, where m has a
+// final norm, hidden the final RMSNorm's output and residual unset. positions, slots, token_rows, seq_lens [T]
+// int64; block_table [*, max_blocks]. Returns 2 (having done nothing) for an id outside the embedding's
+// table, else non-zero when a kernel refused (nothing is half-done that a rerun of the Python layers would not
 // redo: the KV writes are idempotent).
 int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_residual, const int64_t* positions,
                           const int64_t* slots, const int64_t* block_table, const int64_t* token_rows,
-                          const int64_t* seq_lens, int64_t T, const int64_t* out_rows, int64_t n_out) {
+                          const int64_t* seq_lens, int64_t T, const int64_t* out_rows, int64_t n_out,
+                          const int64_t* ids) {
   const int64_t es = m->dtype == 0 ? 4 : 2;
   const int64_t H = m->hidden, D = m->head_dim, hq = m->hq, hk = m->hk;
+  if (ids != nullptr) {  // the embedding: the bytes the Python lookup returns
+    if (m->embed_table == nullptr) return 1;
+    for (int64_t t = 0; t < T; ++t)
+      if (ids[t] < 0 || ids[t] >= m->embed_rows) return 2;
+    if (m->embed_unpack != nullptr) {
+      if (reinterpret_cast<unpack_fn>(m->embed_unpack)(m->embed_table, ids, T, m->embed_rows, H, hidden,
+                                                        m->threads) != 0)
+        return 2;
+    } else {
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(static_cast<uint8_t*>(hidden) + t * H * es,
+                    static_cast<const uint8_t*>(m->embed_table) + ids[t] * H * es, H * es);
+    }
+  }
   const int64_t q_size = hq * D, kv_size = hk * D, qkv_size = q_size + 2 * kv_size, I = m->inter;
   // the activations' buffers (scratch_layout): kept between calls up to kKeepBytes (a decode step's few
   // kilobytes, a prompt chunk's megabytes), made for the call alone beyond
@@ -274,6 +301,11 @@ int tidal_decoder_forward(const Model* m, void* hidden, void* residual, int has_
     h = out;
   }
   if (R == 0) return 0;
+  if (m->final_norm != nullptr) {  // hidden: norm(h + res), what the final RMSNorm gives (residual: unset)
+    rms_norm(h, res, m->final_norm, normed, res_other, R, H, m->final_eps, dt, th);
+    std::memcpy(hidden, normed, R * H * es);
+    return 0;
+  }
   if (h != hidden) std::memcpy(hidden, h, R * H * es);
   if (res != residual) std::memcpy(residual, res, R * H * es);
   return 0;
