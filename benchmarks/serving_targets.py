@@ -29,6 +29,8 @@ import statistics
 import subprocess
 import sys
 
+from tidal.native import _cpu_flags as cpu_flags  # /proc/cpuinfo's flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STEPS = ("sweep", "saturation", "offline", "shared_prefix", "single")
@@ -39,24 +41,13 @@ OFFLINE_MIN = {"offline": 1.2, "shared_prefix": 1.3}
 SINGLE_MAX_MS = 12.0
 
 
-def cpu_has_native_bf16(flags: set[str]) -> bool:
+def cpu_has_native_bf16(flags) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
-def default_dtypes(flags: set[str]) -> tuple[str, str]:
+def default_dtypes(flags) -> tuple[str, str]:
     """(Tidal's, vLLM-CPU's) dtype: bf16 both where the CPU has bf16 products, else each one's faster."""
     return ("bfloat16", "bfloat16") if cpu_has_native_bf16(flags) else ("auto", "float32")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_description() -> str:
