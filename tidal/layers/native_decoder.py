@@ -181,8 +181,9 @@ def _resolve(layer, x_dtype: torch.dtype, rows: int, skinny: bool, invariant: bo
 
 def _embedding(embedding, dtype: torch.dtype, hidden: int) -> tuple[torch.Tensor, int | None, int] | None:
     """(table, the unpacking kernel's address or None, rows) of an embedding whose lookup the driver can do:
-    a plain table in the activations' dtype (F.embedding's rows), or a bf16 one packed for the LM head tied
-    to it (unpack_bf16_rows); None elsewhere (GGUF blocks, a quantized or narrower table: the Python lookup)."""
+    a plain table in the activations' dtype (F.embedding's rows), or a bf16 one packed at load
+    (tidal.loader.pack_bf16_weights; unpack_bf16_rows reads it); None elsewhere (GGUF blocks, a quantized or
+    narrower table: the Python lookup)."""
     if embedding is None or embedding.tp_size != 1 or embedding.dtype != dtype or embedding.weight_scale is not None:
         return None
     table = embedding.weight
@@ -205,8 +206,8 @@ class NativeDecoder:
     def __init__(self, layers: list, dtype: torch.dtype, final_norm=None, embedding=None) -> None:
         """final_norm: the model's final RMSNorm (on the last pipeline stage), run after the last layer in the
         same call, or None; embedding: the first stage's VocabParallelEmbedding, whose rows a forward from token
-        ids (forward(input_ids=...)) looks up in the same call, or None. Their Python calls, made after a
-        forward has passed the weights through the caches, each cost a single stream's step ~0.1 ms."""
+        ids (forward(input_ids=...)) looks up in the same call, or None. Their Python calls, next to a forward
+        that has passed the weights through the caches, each cost a single stream's step ~0.07 ms."""
         self.layers, self.dtype, self.final_norm, self.embedding = layers, dtype, final_norm, embedding
         self._plans: dict = {}
         self.calls = 0  # forwards run natively (tests and benchmarks read it)

@@ -58,8 +58,8 @@ struct Model {
   const void* final_norm;  // or null: the model's final RMSNorm after the last layer (the last pipeline stage)
   float final_eps;
   // the embedding of the first stage, for a forward from token ids: a table of embed_rows rows [H] in the
-  // activations' dtype, read row by row (embed_unpack null), or a bf16 table packed for the LM head tied to
-  // it, read through embed_unpack (gemm.cpp: tidal_unpack_bf16_rows); null: the caller gives the hidden states
+  // activations' dtype, read row by row (embed_unpack null), or a bf16 table packed at load, read through
+  // embed_unpack (gemm.cpp: tidal_unpack_bf16_rows); null: the caller gives the hidden states
   const void* embed_table;
   const void* embed_unpack;
   int64_t embed_rows;
