@@ -32,6 +32,9 @@ import sys
 from tidal.native import _cpu_flags as cpu_flags  # /proc/cpuinfo's flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serve_sweep import ratios  # noqa: E402 - (a script beside this one)
+
 ROOT = os.path.dirname(HERE)
 STEPS = ("sweep", "saturation", "offline", "shared_prefix", "single")
 SWEEP_RATES = ("1", "2", "4", "8", "inf")
@@ -41,13 +44,9 @@ OFFLINE_MIN = {"offline": 1.2, "shared_prefix": 1.3}
 SINGLE_MAX_MS = 12.0
 
 
-def cpu_has_native_bf16(flags) -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & flags)
-
-
 def default_dtypes(flags) -> tuple[str, str]:
     """(Tidal's, vLLM-CPU's) dtype: bf16 both where the CPU has bf16 products, else each one's faster."""
-    return ("bfloat16", "bfloat16") if cpu_has_native_bf16(flags) else ("auto", "float32")
+    return ("bfloat16", "bfloat16") if {"avx512_bf16", "amx_bf16"} & flags else ("auto", "float32")
 
 
 def cpu_description() -> str:
@@ -100,11 +99,6 @@ def parse_side_by_side(output: str) -> dict[str, dict]:
     return found
 
 
-def _ratio(rounds: list[dict], rate: str, key: str) -> list[float]:
-    return [r["tidal"][rate][key] / r["vllm"][rate][key] for r in rounds
-            if r["tidal"][rate].get(key) is not None and r["vllm"][rate].get(key)]
-
-
 def evaluate(results: dict) -> list[dict]:
     """The targets' rows ({target, measured, holds}) for the steps in results: "sweep" and "saturation" as
     parse_sweep gives them, the offline workloads as parse_side_by_side does. holds is None where a figure
@@ -119,15 +113,15 @@ def evaluate(results: dict) -> list[dict]:
         return ", ".join(f"{v:.2f}" for v in values) + "x"
 
     if "sweep" in results:
-        sweep = results["sweep"]
-        tpot = [v for rate in LOW_RATES for v in _ratio(sweep, rate, "mean_tpot_ms")]
+        sweep = ratios(results["sweep"], SWEEP_RATES)  # {rate: {key: [Tidal / vLLM-CPU per round]}}
+        tpot = [v for rate in LOW_RATES for v in sweep[rate]["mean_tpot_ms"]]
         row("mean TPOT <= 0.9x at 1-8 req/s", tpot, each, lambda v: max(v) <= 0.9)
-        tput = [v for rate in SWEEP_RATES for v in _ratio(sweep, rate, "output_throughput")]
+        tput = [v for rate in SWEEP_RATES for v in sweep[rate]["output_throughput"]]
         row("throughput >= 1.0x at every rate", tput, each, lambda v: min(v) >= 1.0)
-        ttft = [v for rate in SWEEP_RATES for v in _ratio(sweep, rate, "p99_ttft_ms")]
+        ttft = [v for rate in SWEEP_RATES for v in sweep[rate]["p99_ttft_ms"]]
         row("p99 TTFT <= 1.0x at every rate", ttft, each, lambda v: max(v) <= 1.0)
     if "saturation" in results:
-        per_round = _ratio(results["saturation"], "inf", "output_throughput")
+        per_round = ratios(results["saturation"], ["inf"])["inf"]["output_throughput"]
         row("throughput at saturation >= 1.5x (median of the rounds)", per_round,
             lambda v: f"{statistics.median(v):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in v)})",
             lambda v: statistics.median(v) >= 1.5)
