@@ -170,9 +170,9 @@ def test_greedy_bf16_steps_of_few_rows_take_their_tokens_from_the_int8_screen_on
     """Where the AMX tiles have int8 products, a bf16 LM head holds an int8 screen in their layout, and plain
     greedy steps of up to 16 rows take their tokens from it (packed_linear_screen); they are the tokens the
     sampler's argmax picks from the full logits (a request asking for logprobs). Elsewhere there is no such
-    screen."""
+    screen, and steps of 5 rows find their tokens in the LM head only on AMX (packed_linear_argmax_only)."""
     from tidal.layers import embedding
-    from tidal.layers.cpu_kernels import SCREEN_MAX_ROWS, amx_int8_in_use
+    from tidal.layers.cpu_kernels import SCREEN_MAX_ROWS, amx_in_use, amx_int8_in_use
     path, _ = bf16_checkpoint
     prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 20, 60, 512, seed=8)]
     llm = LLM(path, dtype="bfloat16", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, block_size=8)
@@ -185,7 +185,7 @@ def test_greedy_bf16_steps_of_few_rows_take_their_tokens_from_the_int8_screen_on
         return found
     monkeypatch.setattr(embedding, "packed_linear_screen", counted)
     (found, plain), (found_sampled, sampled) = _greedy_twice(llm, prompts)
-    assert found and all(f is not None for f in found)
+    assert found and all(f is not None for f in found) == amx_in_use()
     assert not found_sampled
     assert plain == sampled
     if amx_int8_in_use():
