@@ -11,7 +11,6 @@ import torch
 from tests.helpers import TEST_KV_CACHE_BYTES, random_prompts, save_tiny_model, tiny_config
 from tests.test_gguf_quantized import VOCAB, write_tiny_gguf
 from tidal import LLM, SamplingParams
-from tidal.layers import cpu_kernels
 from tidal.layers.native_decoder import NativeDecoder
 from tidal.native import cpu_isa, isa_override, runnable_isas
 
@@ -136,9 +135,9 @@ def test_native_decoder_is_bitwise_the_python_layers(llama, isa, dtype, quantiza
         # bf16 products of plain weights without AVX-512 BF16 are torch's: those layers stay in Python
         decoder = _native_equals_python(llm, _prompts(), expect_native=not (dtype == "bfloat16" and quantization is None
                                                                             and isa != "avx512_bf16"))
-        # on AMX, packed bf16 gate/up products take silu-and-mul into their epilogue (the same bits)
+        # with AVX-512 BF16, packed bf16 gate/up products take silu-and-mul into their epilogue (the same bits)
         fused = any(plan and plan.gate_up_silu for plan in decoder._plans.values())
-        assert fused == (dtype == "bfloat16" and quantization is None and cpu_kernels.amx_in_use())
+        assert fused == (dtype == "bfloat16" and quantization is None and isa == "avx512_bf16")
 
 
 def test_the_scratch_reserved_ahead_is_the_one_the_forwards_use(llama):

@@ -427,9 +427,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
 def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
                        bias: torch.Tensor | None) -> torch.Tensor | None:
     """silu(gate) * up of a gate/up product [gate; up] (W [n, k] held packed, n = 2 d) of bf16 rows x [rows, k]
-    as one kernel (the products on AMX tiles, silu-and-mul in their epilogue, the [rows, n] product never
-    stored): bitwise `silu_and_mul(packed_linear(x, ...))`. None when it does not apply (no AMX, fewer than 5
-    rows, d not a multiple of 16)."""
+    as one kernel (the products on the AMX tiles or with VDPBF16PS, silu-and-mul in their epilogue, the
+    [rows, n] product never stored): bitwise `silu_and_mul(packed_linear(x, ...))`. None when it does not
+    apply (no AVX-512 BF16, fewer than 5 rows, d not a multiple of 16)."""
     lib = _GEMM_LIB.get()
     if (lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != k
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):

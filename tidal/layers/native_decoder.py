@@ -278,10 +278,11 @@ class NativeDecoder:
             entries.append(_Layer(*linears, layer.input_layernorm.weight.data_ptr(),
                                   layer.post_attention_layernorm.weight.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(),
                                   a.attn.k_scale, a.attn.v_scale, cache_dtype, 0, _ptr(a.attn.k_shift)))
-        # gate/up and silu-and-mul as one product where every layer's gate/up is the packed bf16 one on the AMX
-        # tiles (the same bits; the kernel still says no where it does not apply, and the two calls run)
+        # gate/up and silu-and-mul as one product where every layer's gate/up is the packed bf16 one (AVX-512
+        # BF16: on the AMX tiles or with VDPBF16PS; the same bits; the kernel still says no where it does not
+        # apply, steps of up to 4 rows, and the two calls run)
         packed_gemm = (_addr(cpu_kernels.gemm_lib(), "tidal_gemm_bf16_packed")
-                       if x_dtype == torch.bfloat16 and cpu_kernels.amx_in_use() else None)
+                       if x_dtype == torch.bfloat16 and cpu_isa() == "avx512_bf16" else None)
         gate_up_silu = (_addr(cpu_kernels.gemm_lib(), "tidal_gemm_bf16_packed_silu")
                         if packed_gemm is not None and all(e.gate_up.fn == packed_gemm and e.gate_up.kind == 0
                                                            for e in entries) else None)

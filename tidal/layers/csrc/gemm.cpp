@@ -1738,13 +1738,26 @@ static void skinny_bf16_packed(const uint16_t* x, const uint32_t* wpk, const uin
 // of gemm_bf16 and of skinny_bf16_packed, and VDPBF16PS's two products per lane are the same whichever
 // operand is broadcast, so the bits are theirs. Rows from `rows` on repeat the last row and are not
 // stored. prefetch (or null): NV * pairs cache lines to bring into L2 meanwhile (the next tiles).
-template <int MR, int NV>
+//
+// SILU (a gate/up product [gate; up], N = 2 I): tiles j < NV / 2 are gate tiles t0 + j and tiles j >= NV / 2
+// the up tiles of the same index, `ustride` words after them; each gate output and its up output are
+// rounded as store_row rounds them (with their biases), then silu(gate) * up as tidal_silu_and_mul computes
+// it from those stored values (s = round(g / (1 + exp(-g))); round(s * u)), stored at out's columns
+// 16 (t0 + j) of rows I apart: the bits of the product followed by silu-and-mul, without the product's
+// [M, N] output (store_block_silu's epilogue, from the registers). prefetch: the next gate tiles' lines,
+// and as many `ustride` words on (the next up tiles').
+template <int MR, int NV, bool SILU = false>
 static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows, const uint32_t* w0,
                              int64_t tstride, const uint16_t* bias, uint16_t* out, int64_t N, int64_t t0,
-                             const char* prefetch) {
+                             const char* prefetch, int64_t ustride = 0) {
+  constexpr int NG = SILU ? NV / 2 : NV;  // the tiles side by side in memory
+  static_assert(!SILU || NV % 2 == 0, "gate and up tiles in pairs");
   const int64_t full = K / 2;
   const uint16_t* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = x + (m0 + std::min(m, rows - 1)) * K;
+  const uint32_t* wj[NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) wj[j] = w0 + (j % NG) * tstride + (j / NG) * ustride;
   __m512 acc[MR][NV];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -1753,11 +1766,12 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
   for (int64_t p = 0; p < full; ++p) {
     if (prefetch) {
 #pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) _mm_prefetch(prefetch + (p * NV + j) * 64, _MM_HINT_T1);
+      for (int j = 0; j < NV; ++j)
+        _mm_prefetch(prefetch + (p * NG + j % NG) * 64 + (j / NG) * ustride * 4, _MM_HINT_T1);
     }
     __m512bh wv[NV];
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w0 + j * tstride + p * 16);
+    for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wj[j] + p * 16);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       int32_t xp;
@@ -1770,7 +1784,7 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
   if (K % 2) {
     __m512bh wv[NV];
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w0 + j * tstride + full * 16);
+    for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wj[j] + full * 16);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32((int32_t)xr[m][K - 1]);
@@ -1780,14 +1794,32 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
   }
   // every index into acc a constant (the loops unrolled, the rows past `rows` skipped by a test), so that
   // the sums never leave the registers: an index that varies would put the whole array on the stack
+  if constexpr (SILU) {
+    const int64_t cols = N / 2;
 #pragma GCC unroll 4
-  for (int j = 0; j < NV; ++j) {
-    const int64_t n0 = (t0 + j) * 16;
-    const __mmask16 nmask = (__mmask16)((1u << std::min<int64_t>(16, N - n0)) - 1);
-    const __m512 b = load_bias(bias, n0, nmask);
+    for (int j = 0; j < NG; ++j) {
+      const int64_t n0 = (t0 + j) * 16;
+      const __m512 bg = load_bias(bias, n0, 0xffff), bu = load_bias(bias, cols + n0, 0xffff);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-      if (m < rows) store_row(acc[m][j], b, nmask, out + (m0 + m) * N + n0);
+      for (int m = 0; m < MR; ++m)
+        if (m < rows) {
+          const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(acc[m][j], bg), 16));
+          const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(rounded_bits(acc[m][j + NG], bu), 16));
+          const __m512 s = simd::round_bf16(simd::silu(g));
+          const __m256i v = _mm512_cvtepi32_epi16(_mm512_srli_epi32(simd::bf16_bits(_mm512_mul_ps(s, u)), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * cols + n0), v);
+        }
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const int64_t n0 = (t0 + j) * 16;
+      const __mmask16 nmask = (__mmask16)((1u << std::min<int64_t>(16, N - n0)) - 1);
+      const __m512 b = load_bias(bias, n0, nmask);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m)
+        if (m < rows) store_row(acc[m][j], b, nmask, out + (m0 + m) * N + n0);
+    }
   }
 }
 
@@ -1824,6 +1856,30 @@ static void gemm_bf16_cols(const uint16_t* x, const uint32_t* wpk, const uint16_
           default: cols_tile<MR, 1>(x, K, m0, rows, w0, tstride, bias, out, N, t0, nullptr); break;
         }
       }
+    }
+  }
+}
+
+// gemm_bf16_cols of a gate/up product [gate; up] (N = 2 I, I a multiple of 16) with silu-and-mul in the
+// epilogue (cols_tile's SILU): out [M, I]. Each group is one gate tile and its up tile, against panels of 8
+// rows (16 accumulators; 6 rows against two gate tiles and their up tiles, or 12 rows against one, were
+// slower on a Zen 4).
+static void gemm_bf16_cols_silu(const uint16_t* x, const uint32_t* wpk, const uint16_t* bias, uint16_t* out,
+                                int64_t M, int64_t N, int64_t K, int num_threads) {
+  constexpr int MR = 8;
+  const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
+  const int64_t gate_tiles = N / 32, ustride = gate_tiles * tstride;
+  const int64_t block = std::max<int64_t>(MR, (192 * 1024) / (2 * K) / MR * MR);
+#pragma omp parallel num_threads(num_threads)
+  for (int64_t b0 = 0; b0 < M; b0 += block) {
+    const int64_t b1 = std::min(M, b0 + block);
+#pragma omp for schedule(static) nowait
+    for (int64_t t0 = 0; t0 < gate_tiles; ++t0) {
+      const uint32_t* w0 = wpk + t0 * tstride;
+      const char* next = t0 + 1 < gate_tiles ? reinterpret_cast<const char*>(w0 + tstride) : nullptr;
+      for (int64_t m0 = b0; m0 < b1; m0 += MR, next = nullptr)
+        cols_tile<MR, 2, true>(x, K, m0, (int)std::min<int64_t>(MR, b1 - m0), w0, tstride, bias, out, N, t0, next,
+                               ustride);
     }
   }
 }
@@ -2032,9 +2088,13 @@ int tidal_gemm_bf16_packed(const void* x, const void* wpk, const void* bias, voi
 int tidal_gemm_bf16_packed_silu(const void* x, const void* wpk, const void* bias, void* out, int64_t M, int64_t N,
                                 int64_t K, int num_threads) {
 #if defined(__AVX512BF16__)
-  if (M < 5 || N % 32 != 0 || !amx::usable()) return -1;
-  amx::gemm(static_cast<const uint16_t*>(x), amx::Weights{amx::Weights::PACKED, wpk, {nullptr, 0}, N, K},
-            static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), M, num_threads, true);
+  if (M < 5 || N % 32 != 0) return -1;
+  if (amx::usable())
+    amx::gemm(static_cast<const uint16_t*>(x), amx::Weights{amx::Weights::PACKED, wpk, {nullptr, 0}, N, K},
+              static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), M, num_threads, true);
+  else
+    gemm_bf16_cols_silu(static_cast<const uint16_t*>(x), static_cast<const uint32_t*>(wpk),
+                        static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), M, N, K, num_threads);
   return 0;
 #else
   (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
