@@ -316,23 +316,25 @@ def test_packed_gemm_of_a_thousand_rows_and_more_gives_each_row_the_bits_of_a_sm
         assert torch.equal(got.view(torch.int16), full[rows]), rows
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,d,k,bias", [(5, 48, 64, False), (37, 1536, 576, False), (300, 32, 577, True),
                                             (1100, 64, 576, True), (64, 80, 576, True)])
-def test_gate_up_with_silu_in_its_epilogue_is_bitwise_the_product_then_silu_and_mul(isa, rows, d, k, bias):
-    """With AVX-512 BF16 (on the AMX tiles or with VDPBF16PS) the gate/up product can hand its outputs to
-    silu-and-mul in the epilogue (gate tile j paired with up tile j, the [rows, 2d] product never stored):
-    bitwise the two kernels one after the other, with a bias, K not a multiple of 32, 1,100 rows (the AMX
-    path's other block order), an odd number of gate tiles (d = 48: a last group of one), NaN and inf.
-    Elsewhere, and for fewer than 5 rows, it declines."""
+def test_gate_up_with_silu_in_its_epilogue_is_bitwise_the_product_then_silu_and_mul(isa, rows, d, k, bias, dtype):
+    """The gate/up product of a packed bf16 weight can hand its outputs to silu-and-mul as it makes them
+    (gate tile j paired with up tile j, the [rows, 2d] product never stored): bitwise the two kernels one
+    after the other, with a bias, K not a multiple of 32, 1,100 rows (the AMX path's other block order; more
+    than one chunk of rows for fp32), an odd number of gate tiles (d = 48, 80), NaN and inf. bf16 rows with
+    AVX-512 BF16 (on the AMX tiles or with VDPBF16PS), fp32 rows on every vector build. Elsewhere, and for
+    fewer than 5 rows, it declines."""
     torch.manual_seed(3)
-    x, w = torch.randn(rows, k).bfloat16(), torch.randn(2 * d, k).bfloat16()
-    b = torch.randn(2 * d).bfloat16() if bias else None
+    x, w = torch.randn(rows, k).to(dtype), torch.randn(2 * d, k).bfloat16()
+    b = torch.randn(2 * d).to(dtype) if bias else None
     x[rows // 2] *= 40  # large gates: silu's exp at both ends
     if rows > 100:
         x[3, 5], w[7, 2], w[d + 9, 4] = float("inf"), float("nan"), float("-inf")
     packed = cpu_kernels.pack_bf16_weight(w)
     fused = cpu_kernels.packed_linear_silu(x, packed, 2 * d, k, b)
-    if isa != "avx512_bf16":
+    if isa != "avx512_bf16" if dtype == torch.bfloat16 else isa == "generic":
         assert fused is None
         return
     reference = cpu_kernels.silu_and_mul(cpu_kernels.packed_linear(x, packed, 2 * d, k, b))

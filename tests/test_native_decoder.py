@@ -56,11 +56,14 @@ def llama_bf16(tmp_path_factory):  # a bf16 checkpoint: dtype "auto" without nat
 
 
 def test_native_decoder_on_bf16_weights_under_fp32_activations(llama_bf16):
+    """dtype auto on a CPU without native bf16 (AVX2): fp32 activations against the bf16 weights packed at
+    load, gate/up and silu-and-mul as one call (steps of 5 rows and more), bitwise the Python layers."""
     with isa_override("avx2"):
         llm = LLM(llama_bf16, dtype="auto", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES)
         layer = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
         assert layer.weight.bf16_packed and llm.llm_engine.dtype == torch.float32  # bf16, packed at load
-        _native_equals_python(llm, _prompts())
+        decoder = _native_equals_python(llm, _prompts())
+        assert any(plan and plan.gate_up_silu for plan in decoder._plans.values())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])

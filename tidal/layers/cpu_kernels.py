@@ -248,6 +248,8 @@ def _configure_gemm(lib: ctypes.CDLL) -> None:
     lib.tidal_gemm_bf16_packed.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16_packed_silu.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed_silu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tidal_linear_f32_bf16_packed_silu.restype = ctypes.c_int
+    lib.tidal_linear_f32_bf16_packed_silu.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tidal_gemm_bf16_packed_argmax.restype = ctypes.c_int
     lib.tidal_gemm_bf16_packed_argmax.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
                                                   + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64])
@@ -426,17 +428,19 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
 
 def packed_linear_silu(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
                        bias: torch.Tensor | None) -> torch.Tensor | None:
-    """silu(gate) * up of a gate/up product [gate; up] (W [n, k] held packed, n = 2 d) of bf16 rows x [rows, k]
-    as one kernel (the products on the AMX tiles or with VDPBF16PS, silu-and-mul in their epilogue, the
-    [rows, n] product never stored): bitwise `silu_and_mul(packed_linear(x, ...))`. None when it does not
-    apply (no AVX-512 BF16, fewer than 5 rows, d not a multiple of 16)."""
+    """silu(gate) * up of a gate/up product [gate; up] (W [n, k] held packed, n = 2 d) of rows x [rows, k] as
+    one kernel, the [rows, n] product never stored: bitwise `silu_and_mul(packed_linear(x, ...))`. bf16 x:
+    the products on the AMX tiles or with VDPBF16PS, silu-and-mul in their epilogue; fp32 x: each pair of
+    gate and up tiles over a chunk of rows, then silu-and-mul on them while they are in L1. None when it
+    does not apply (bf16 x without AVX-512 BF16, no vector build, fewer than 5 rows, d not a multiple of 16)."""
     lib = _GEMM_LIB.get()
-    if (lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != k
-            or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+    if (lib is None or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or not x.is_contiguous()
+            or x.shape[1] != k or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
         return None
+    kernel = lib.tidal_gemm_bf16_packed_silu if x.dtype == torch.bfloat16 else lib.tidal_linear_f32_bf16_packed_silu
     out = torch.empty(x.shape[0], n // 2, dtype=x.dtype)
-    if lib.tidal_gemm_bf16_packed_silu(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                       out.data_ptr(), x.shape[0], n, k, torch.get_num_threads()) != 0:
+    if kernel(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+              out.data_ptr(), x.shape[0], n, k, torch.get_num_threads()) != 0:
         return None
     return out
 

@@ -278,14 +278,18 @@ class NativeDecoder:
             entries.append(_Layer(*linears, layer.input_layernorm.weight.data_ptr(),
                                   layer.post_attention_layernorm.weight.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(),
                                   a.attn.k_scale, a.attn.v_scale, cache_dtype, 0, _ptr(a.attn.k_shift)))
-        # gate/up and silu-and-mul as one product where every layer's gate/up is the packed bf16 one (AVX-512
-        # BF16: on the AMX tiles or with VDPBF16PS; the same bits; the kernel still says no where it does not
-        # apply, steps of up to 4 rows, and the two calls run)
-        packed_gemm = (_addr(cpu_kernels.gemm_lib(), "tidal_gemm_bf16_packed")
-                       if x_dtype == torch.bfloat16 and cpu_isa() == "avx512_bf16" else None)
-        gate_up_silu = (_addr(cpu_kernels.gemm_lib(), "tidal_gemm_bf16_packed_silu")
-                        if packed_gemm is not None and all(e.gate_up.fn == packed_gemm and e.gate_up.kind == 0
-                                                           for e in entries) else None)
+        # gate/up and silu-and-mul as one product where every layer's gate/up is the product of a packed bf16
+        # weight: bf16 rows with AVX-512 BF16 (on the AMX tiles or with VDPBF16PS), fp32 rows on any vector
+        # build (the same bits; the kernel still says no where it does not apply, steps of up to 4 rows, and
+        # the two calls run)
+        gemm = cpu_kernels.gemm_lib()
+        packed_gemm, fused = ((("tidal_gemm_bf16_packed", "tidal_gemm_bf16_packed_silu")
+                               if cpu_isa() == "avx512_bf16" else (None, None)) if x_dtype == torch.bfloat16
+                              else ("tidal_linear_f32_bf16_packed", "tidal_linear_f32_bf16_packed_silu"))
+        gate_up_silu = (_addr(gemm, fused)
+                        if packed_gemm is not None and gemm is not None
+                        and all(e.gate_up.fn == _addr(gemm, packed_gemm) and e.gate_up.kind == 0 for e in entries)
+                        else None)
         first = self.layers[0]
         a = first.self_attn
         kv = a.attn.kv_cache

@@ -318,6 +318,37 @@ static void blocked(const float* x, const uint32_t* w, const float* bias, float*
   }
 }
 
+// blocked for a gate/up product [gate; up] (N = 2 I, I a multiple of 16) with silu-and-mul after each pair of
+// tiles: gate tile t and up tile I / 16 + t over a chunk of rows into two small buffers (L1), then
+// out[:, 16 t .. 16 t + 16) = silu(gate) * up as tidal_silu_and_mul computes it in fp32 (simd::silu, one
+// multiply): the bits of the product followed by silu-and-mul, without writing and reading back the [M, N]
+// product. out [M, I].
+static void blocked_silu(const float* x, const uint32_t* w, const float* bias, float* out, int64_t M, int64_t N,
+                         int64_t K, int num_threads) {
+  const int64_t tstride = (K + 1) / 2 * 16, cols = N / 2, gate_tiles = cols / 16;
+  const int64_t chunk = std::max<int64_t>(kMR, (256 * 1024) / (4 * K) / kMR * kMR);
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> buf(size_t(2 * 16 * std::min(chunk, M)));
+    float* const g = buf.data();
+    float* const u = g + 16 * std::min(chunk, M);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int64_t mc = std::min(chunk, M - m0);
+#pragma omp for schedule(guided) nowait
+      for (int64_t t = 0; t < gate_tiles; ++t) {
+        const int64_t n0 = t * 16;
+        rows_of_tile(x + m0 * K, mc, w + t * tstride, tstride, K, bias ? bias + n0 : nullptr, g, 16, 16);
+        rows_of_tile(x + m0 * K, mc, w + (gate_tiles + t) * tstride, tstride, K, bias ? bias + cols + n0 : nullptr,
+                     u, 16, 16);
+        for (int64_t r = 0; r < mc; ++r)
+          for (int h = 0; h < H; ++h)
+            simd::store(out + (m0 + r) * cols + n0 + h * W,
+                        simd::mul(simd::silu(simd::load(g + r * 16 + h * W)), simd::load(u + r * 16 + h * W)));
+      }
+    }
+  }
+}
+
 static void linear(const float* x, const uint32_t* w, const float* bias, float* out, int64_t M, int64_t N,
                    int64_t K, int num_threads) {
   switch (M) {
@@ -1957,6 +1988,23 @@ int tidal_linear_f32_bf16_packed(const void* x, const void* wpk, const void* bia
   if (M < 1) return -1;
   packed_f32::linear(static_cast<const float*>(x), static_cast<const uint32_t*>(wpk), static_cast<const float*>(bias),
                      static_cast<float*>(out), M, N, K, num_threads);
+  return 0;
+#else
+  (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
+  return -1;
+#endif
+}
+
+// x [M, K] fp32, wpk the packed weight of a gate/up product [gate; up] of [N, K] (N = 2 I), bias [N] fp32 or
+// null, out [M, I] fp32 = silu(gate) * up: bitwise tidal_linear_f32_bf16_packed followed by tidal_silu_and_mul,
+// without the product's [M, N] output (packed_f32::blocked_silu). From 5 rows (fewer stream the weight once:
+// skinny); returns -1 when it does not apply (fewer rows, I not a multiple of 16, no vector build).
+int tidal_linear_f32_bf16_packed_silu(const void* x, const void* wpk, const void* bias, void* out, int64_t M,
+                                      int64_t N, int64_t K, int num_threads) {
+#if defined(TIDAL_VEC)
+  if (M < 5 || N % 32 != 0) return -1;
+  packed_f32::blocked_silu(static_cast<const float*>(x), static_cast<const uint32_t*>(wpk),
+                           static_cast<const float*>(bias), static_cast<float*>(out), M, N, K, num_threads);
   return 0;
 #else
   (void)x; (void)wpk; (void)bias; (void)out; (void)M; (void)N; (void)K; (void)num_threads;
