@@ -1854,6 +1854,18 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
   }
 }
 
+// Blocks of `block` rows of x in order, and in each the groups [0, groups) handed to the threads statically
+// (the same groups to a thread in every block, no barrier between blocks): group(g, b0, b1).
+template <class Group>
+static void over_blocks(int64_t M, int64_t block, int64_t groups, int num_threads, const Group& group) {
+#pragma omp parallel num_threads(num_threads)
+  for (int64_t b0 = 0; b0 < M; b0 += block) {
+    const int64_t b1 = std::min(M, b0 + block);
+#pragma omp for schedule(static) nowait
+    for (int64_t g = 0; g < groups; ++g) group(g, b0, b1);
+  }
+}
+
 // gemm_bf16 over the packed layout for any M: blocks of rows of x of ~192 KiB (in L2), and in each block
 // every group of NV tiles (their K pairs in L2; the groups handed to the threads statically, the same
 // groups to a thread in every block, no barrier between blocks) against the block's panels of MR rows.
@@ -1870,25 +1882,20 @@ static void gemm_bf16_cols(const uint16_t* x, const uint32_t* wpk, const uint16_
   const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
   const int64_t tiles = (N + 15) / 16, groups = (tiles + NV - 1) / NV;
   const int64_t block = std::max<int64_t>(MR, (192 * 1024) / (2 * K) / MR * MR);
-#pragma omp parallel num_threads(num_threads)
-  for (int64_t b0 = 0; b0 < M; b0 += block) {
-    const int64_t b1 = std::min(M, b0 + block);
-#pragma omp for schedule(static) nowait
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t t0 = g * NV;
-      const int nv = (int)std::min<int64_t>(NV, tiles - t0);
-      const uint32_t* w0 = wpk + t0 * tstride;
-      const char* next = g + 1 < groups ? reinterpret_cast<const char*>(w0 + NV * tstride) : nullptr;
-      for (int64_t m0 = b0; m0 < b1; m0 += MR, next = nullptr) {
-        const int rows = (int)std::min<int64_t>(MR, b1 - m0);
-        switch (nv) {  // a last group of fewer tiles
-          case 3: cols_tile<MR, 3>(x, K, m0, rows, w0, tstride, bias, out, N, t0, next); break;
-          case 2: cols_tile<MR, 2>(x, K, m0, rows, w0, tstride, bias, out, N, t0, nullptr); break;
-          default: cols_tile<MR, 1>(x, K, m0, rows, w0, tstride, bias, out, N, t0, nullptr); break;
-        }
+  over_blocks(M, block, groups, num_threads, [&](int64_t g, int64_t b0, int64_t b1) {
+    const int64_t t0 = g * NV;
+    const int nv = (int)std::min<int64_t>(NV, tiles - t0);
+    const uint32_t* w0 = wpk + t0 * tstride;
+    const char* next = g + 1 < groups ? reinterpret_cast<const char*>(w0 + NV * tstride) : nullptr;
+    for (int64_t m0 = b0; m0 < b1; m0 += MR, next = nullptr) {
+      const int rows = (int)std::min<int64_t>(MR, b1 - m0);
+      switch (nv) {  // a last group of fewer tiles
+        case 3: cols_tile<MR, 3>(x, K, m0, rows, w0, tstride, bias, out, N, t0, next); break;
+        case 2: cols_tile<MR, 2>(x, K, m0, rows, w0, tstride, bias, out, N, t0, nullptr); break;
+        default: cols_tile<MR, 1>(x, K, m0, rows, w0, tstride, bias, out, N, t0, nullptr); break;
       }
     }
-  }
+  });
 }
 
 // gemm_bf16_cols of a gate/up product [gate; up] (N = 2 I, I a multiple of 16) with silu-and-mul in the
@@ -1901,18 +1908,13 @@ static void gemm_bf16_cols_silu(const uint16_t* x, const uint32_t* wpk, const ui
   const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
   const int64_t gate_tiles = N / 32, ustride = gate_tiles * tstride;
   const int64_t block = std::max<int64_t>(MR, (192 * 1024) / (2 * K) / MR * MR);
-#pragma omp parallel num_threads(num_threads)
-  for (int64_t b0 = 0; b0 < M; b0 += block) {
-    const int64_t b1 = std::min(M, b0 + block);
-#pragma omp for schedule(static) nowait
-    for (int64_t t0 = 0; t0 < gate_tiles; ++t0) {
-      const uint32_t* w0 = wpk + t0 * tstride;
-      const char* next = t0 + 1 < gate_tiles ? reinterpret_cast<const char*>(w0 + tstride) : nullptr;
-      for (int64_t m0 = b0; m0 < b1; m0 += MR, next = nullptr)
-        cols_tile<MR, 2, true>(x, K, m0, (int)std::min<int64_t>(MR, b1 - m0), w0, tstride, bias, out, N, t0, next,
-                               ustride);
-    }
-  }
+  over_blocks(M, block, gate_tiles, num_threads, [&](int64_t t0, int64_t b0, int64_t b1) {
+    const uint32_t* w0 = wpk + t0 * tstride;
+    const char* next = t0 + 1 < gate_tiles ? reinterpret_cast<const char*>(w0 + tstride) : nullptr;
+    for (int64_t m0 = b0; m0 < b1; m0 += MR, next = nullptr)
+      cols_tile<MR, 2, true>(x, K, m0, (int)std::min<int64_t>(MR, b1 - m0), w0, tstride, bias, out, N, t0, next,
+                             ustride);
+  });
 }
 #endif
 
