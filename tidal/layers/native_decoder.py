@@ -283,13 +283,15 @@ class NativeDecoder:
         # build (the same bits; the kernel still says no where it does not apply, steps of up to 4 rows, and
         # the two calls run)
         gemm = cpu_kernels.gemm_lib()
-        packed_gemm, fused = ((("tidal_gemm_bf16_packed", "tidal_gemm_bf16_packed_silu")
-                               if cpu_isa() == "avx512_bf16" else (None, None)) if x_dtype == torch.bfloat16
-                              else ("tidal_linear_f32_bf16_packed", "tidal_linear_f32_bf16_packed_silu"))
-        gate_up_silu = (_addr(gemm, fused)
-                        if packed_gemm is not None and gemm is not None
-                        and all(e.gate_up.fn == _addr(gemm, packed_gemm) and e.gate_up.kind == 0 for e in entries)
-                        else None)
+        if x_dtype == torch.bfloat16:
+            names = ("tidal_gemm_bf16_packed", "tidal_gemm_bf16_packed_silu") if cpu_isa() == "avx512_bf16" else None
+        else:
+            names = ("tidal_linear_f32_bf16_packed", "tidal_linear_f32_bf16_packed_silu")
+        gate_up_silu = None
+        if gemm is not None and names is not None:
+            product, fused = (_addr(gemm, name) for name in names)
+            if all(e.gate_up.fn == product and e.gate_up.kind == 0 for e in entries):
+                gate_up_silu = fused
         first = self.layers[0]
         a = first.self_attn
         kv = a.attn.kv_cache
