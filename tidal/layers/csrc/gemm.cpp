@@ -302,10 +302,13 @@ static inline void rows_of_tile(const float* x, int64_t M, const uint32_t* wt, i
 // are handed out in shrinking chunks (guided), so a thread slowed down (another tenant of the machine, an
 // interrupt) leaves the other less to wait for: with equal static shares the engine's two threads spent 6% of
 // their time waiting at the end of a product (perf, 64 requests of 256 -> 128 tokens on a Zen 3), 2% now
+// the rows of x a chunk holds: ~256 KiB of fp32 rows, whole register tiles
+static inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(kMR, (256 * 1024) / (4 * K) / kMR * kMR); }
+
 static void blocked(const float* x, const uint32_t* w, const float* bias, float* out, int64_t M, int64_t N,
                     int64_t K, int num_threads) {
   const int64_t tstride = (K + 1) / 2 * 16, tiles = (N + 15) / 16;
-  const int64_t chunk = std::max<int64_t>(kMR, (256 * 1024) / (4 * K) / kMR * kMR);
+  const int64_t chunk = chunk_rows(K);
 #pragma omp parallel num_threads(num_threads)
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t mc = std::min(chunk, M - m0);
@@ -326,12 +329,12 @@ static void blocked(const float* x, const uint32_t* w, const float* bias, float*
 static void blocked_silu(const float* x, const uint32_t* w, const float* bias, float* out, int64_t M, int64_t N,
                          int64_t K, int num_threads) {
   const int64_t tstride = (K + 1) / 2 * 16, cols = N / 2, gate_tiles = cols / 16;
-  const int64_t chunk = std::max<int64_t>(kMR, (256 * 1024) / (4 * K) / kMR * kMR);
+  const int64_t chunk = chunk_rows(K), most = std::min(chunk, M);
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> buf(size_t(2 * 16 * std::min(chunk, M)));
+    std::vector<float> buf(size_t(2 * 16 * most));
     float* const g = buf.data();
-    float* const u = g + 16 * std::min(chunk, M);
+    float* const u = g + 16 * most;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
       const int64_t mc = std::min(chunk, M - m0);
 #pragma omp for schedule(guided) nowait
@@ -1854,8 +1857,13 @@ static inline void cols_tile(const uint16_t* x, int64_t K, int64_t m0, int rows,
   }
 }
 
-// Blocks of `block` rows of x in order, and in each the groups [0, groups) handed to the threads statically
-// (the same groups to a thread in every block, no barrier between blocks): group(g, b0, b1).
+// Blocks of rows of x in order (~192 KiB of bf16 rows, whole panels of MR: block_rows), and in each the groups
+// [0, groups) handed to the threads statically (the same groups to a thread in every block, no barrier between
+// blocks): group(g, b0, b1).
+template <int MR> static inline int64_t block_rows(int64_t K) {
+  return std::max<int64_t>(MR, (192 * 1024) / (2 * K) / MR * MR);
+}
+
 template <class Group>
 static void over_blocks(int64_t M, int64_t block, int64_t groups, int num_threads, const Group& group) {
 #pragma omp parallel num_threads(num_threads)
@@ -1881,7 +1889,7 @@ static void gemm_bf16_cols(const uint16_t* x, const uint32_t* wpk, const uint16_
   constexpr int MR = 8, NV = 3;  // 24 accumulators, 3 weight vectors and a broadcast: 28 of 32 registers
   const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
   const int64_t tiles = (N + 15) / 16, groups = (tiles + NV - 1) / NV;
-  const int64_t block = std::max<int64_t>(MR, (192 * 1024) / (2 * K) / MR * MR);
+  const int64_t block = block_rows<MR>(K);
   over_blocks(M, block, groups, num_threads, [&](int64_t g, int64_t b0, int64_t b1) {
     const int64_t t0 = g * NV;
     const int nv = (int)std::min<int64_t>(NV, tiles - t0);
@@ -1907,7 +1915,7 @@ static void gemm_bf16_cols_silu(const uint16_t* x, const uint32_t* wpk, const ui
   constexpr int MR = 8;
   const int64_t pairs = (K + 1) / 2, tstride = pairs * 16;
   const int64_t gate_tiles = N / 32, ustride = gate_tiles * tstride;
-  const int64_t block = std::max<int64_t>(MR, (192 * 1024) / (2 * K) / MR * MR);
+  const int64_t block = block_rows<MR>(K);
   over_blocks(M, block, gate_tiles, num_threads, [&](int64_t t0, int64_t b0, int64_t b1) {
     const uint32_t* w0 = wpk + t0 * tstride;
     const char* next = t0 + 1 < gate_tiles ? reinterpret_cast<const char*>(w0 + tstride) : nullptr;
