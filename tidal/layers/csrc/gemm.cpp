@@ -298,13 +298,13 @@ static inline void rows_of_tile(const float* x, int64_t M, const uint32_t* wt, i
   }
 }
 
+// the rows of x a chunk of `blocked` (and `blocked_silu`) holds: ~256 KiB of fp32 rows, whole register tiles
+static inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(kMR, (256 * 1024) / (4 * K) / kMR * kMR); }
+
 // more rows: chunks of rows of x that stay in L2 while every weight tile (in L1) passes over them. The tiles
 // are handed out in shrinking chunks (guided), so a thread slowed down (another tenant of the machine, an
 // interrupt) leaves the other less to wait for: with equal static shares the engine's two threads spent 6% of
 // their time waiting at the end of a product (perf, 64 requests of 256 -> 128 tokens on a Zen 3), 2% now
-// the rows of x a chunk holds: ~256 KiB of fp32 rows, whole register tiles
-static inline int64_t chunk_rows(int64_t K) { return std::max<int64_t>(kMR, (256 * 1024) / (4 * K) / kMR * kMR); }
-
 static void blocked(const float* x, const uint32_t* w, const float* bias, float* out, int64_t M, int64_t N,
                     int64_t K, int num_threads) {
   const int64_t tstride = (K + 1) / 2 * 16, tiles = (N + 15) / 16;
